@@ -1,0 +1,22 @@
+# `make test` and `make report` each create .venv if missing and install first.
+# Another interpreter: make test PYTHON=python3.12 VENV=.venv312
+PYTHON ?= python3
+VENV ?= .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: test report clean
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -n auto
+
+report: $(STAMP)
+	$(VENV)/bin/parity compare
+
+clean:
+	rm -rf $(VENV) .pytest_cache

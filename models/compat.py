@@ -1,0 +1,60 @@
+"""Every call whose spelling depends on the installed jax / flax version.
+
+Flax moved within 0.12.x (`sharding` -> `sharding_names` -> `out_sharding`,
+eager sharding of annotated variables on by default, graph vs tree mode) and
+jax moved its mesh context managers. Nothing outside this module branches on
+a version.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import jax
+from flax import nnx
+from flax.core import meta
+
+
+def nnx_param(value: jax.Array, logical_axes: Sequence[str | None]) -> nnx.Param:
+  """An NNX parameter annotated with its logical axes.
+
+  Eager sharding is off: placement is decided once, by the jitted
+  initialiser's output shardings (bridge.shardings), on both sides alike.
+  """
+  return nnx.Param(value, out_sharding=tuple(logical_axes), eager_sharding=False)
+
+
+def nnx_logical_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+  """The logical axes of an NNX variable, whatever this flax calls them."""
+  metadata = variable.get_metadata()
+  for key in ('out_sharding', 'sharding_names', 'sharding'):
+    if metadata.get(key) is not None:
+      return tuple(metadata[key])
+  return None
+
+
+def mesh_is_active() -> bool:
+  """True inside a mesh context (activation constraints apply only then)."""
+  return meta.global_mesh_defined()
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: jax.sharding.Mesh) -> Iterator[jax.sharding.Mesh]:
+  """Makes `mesh` the context mesh for logical constraints and jit."""
+  with mesh:
+    yield mesh
+
+
+def tree_paths(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
+  """Flattened (key path, leaf) pairs, the keys as plain python values."""
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    out.append((tuple(_key_value(k) for k in path), leaf))
+  return out
+
+
+def _key_value(key: Any) -> Any:
+  for attr in ('key', 'idx', 'name'):
+    if hasattr(key, attr):
+      return getattr(key, attr)
+  return str(key)

@@ -1,0 +1,149 @@
+"""Model and training configuration, presets and scenarios.
+
+Only stateless, framework-free things live here: both model sides read the
+same dataclasses, so a config can never silently differ between them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A decoder-only transformer (llama2 layout, MaxText parameter names)."""
+
+  vocab_size: int = 32000
+  emb_dim: int = 2048
+  num_layers: int = 16
+  num_heads: int = 16
+  num_kv_heads: int = 16
+  head_dim: int = 128
+  mlp_dim: int = 7168
+  activation_dtype: str = 'bfloat16'
+  weight_dtype: str = 'float32'
+  norm_epsilon: float = 1e-6
+  rope_min_timescale: float = 1.0
+  rope_max_timescale: float = 10_000.0
+  scan_layers: bool = True
+  # Axis of the stacked layer parameters; 'layers' is inserted there in the
+  # logical axes. Each side has its own so a layout rule can differ per side.
+  param_scan_axis: int = 1
+  nnx_param_scan_axis: int | None = None
+  logits_via_embedding: bool = False
+  dropout_rate: float = 0.0
+  # 'none', 'full' or 'save_dots' (see models/linen/decoder.py REMAT_POLICIES).
+  remat_policy: str = 'none'
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f'num_heads ({self.num_heads}) must be a multiple of num_kv_heads'
+          f' ({self.num_kv_heads})'
+      )
+    if self.head_dim % 2:
+      raise ValueError(f'head_dim must be even for RoPE, got {self.head_dim}')
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(
+          f'remat_policy must be one of {REMAT_POLICIES}, got'
+          f' {self.remat_policy!r}'
+      )
+
+  @property
+  def nnx_scan_axis(self) -> int:
+    """The stacking axis of the NNX side (defaults to the Linen one)."""
+    if self.nnx_param_scan_axis is None:
+      return self.param_scan_axis
+    return self.nnx_param_scan_axis
+
+  def param_count(self) -> int:
+    """Analytic parameter count (checked against both trees by the tests)."""
+    e, m, l = self.emb_dim, self.mlp_dim, self.num_layers
+    attn = e * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    per_layer = attn + 3 * e * m + 2 * e
+    count = l * per_layer + self.vocab_size * e + e
+    if not self.logits_via_embedding:
+      count += e * self.vocab_size
+    return count
+
+
+REMAT_POLICIES = ('none', 'full', 'save_dots')
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Data, optimizer and loss settings shared by both sides."""
+
+  batch_size: int = 8
+  seq_len: int = 64
+  steps: int = 10
+  seed: int = 0
+  learning_rate: float = 1e-3
+  warmup_steps: int = 2
+  decay_steps: int = 10
+  end_learning_rate_ratio: float = 0.1
+  adam_b1: float = 0.9
+  adam_b2: float = 0.95
+  adam_eps: float = 1e-8
+  weight_decay: float = 0.1
+  max_grad_norm: float = 1.0
+  z_loss_weight: float = 1e-4
+  grad_accum_steps: int = 1
+
+  def __post_init__(self):
+    if self.batch_size % self.grad_accum_steps:
+      raise ValueError(
+          f'batch_size ({self.batch_size}) must be divisible by'
+          f' grad_accum_steps ({self.grad_accum_steps})'
+      )
+
+
+PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
+    # The model of the seed logs: 1,104,218,112 parameters.
+    'default': (ModelConfig(), TrainConfig(batch_size=8, seq_len=2048)),
+    # Fast numerics: grouped-query attention, 2 layers, some padding per row.
+    'tiny': (
+        ModelConfig(
+            vocab_size=256,
+            emb_dim=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            mlp_dim=128,
+        ),
+        TrainConfig(batch_size=8, seq_len=64),
+    ),
+    # Large enough that a CPU step takes well over 50 ms (speed benchmarks).
+    'small': (
+        ModelConfig(
+            vocab_size=4096,
+            emb_dim=256,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=32,
+            mlp_dim=1024,
+        ),
+        TrainConfig(batch_size=8, seq_len=256),
+    ),
+}
+
+
+def get_preset(name: str) -> tuple[ModelConfig, TrainConfig]:
+  """Returns the (model, train) configs of a preset, or raises KeyError."""
+  try:
+    return PRESETS[name]
+  except KeyError:
+    raise KeyError(
+        f'unknown preset {name!r}; expected one of {sorted(PRESETS)}'
+    ) from None
+
+
+def replace(cfg: Any, **changes: Any) -> Any:
+  """dataclasses.replace that names the bad field on a typo."""
+  fields = {f.name for f in dataclasses.fields(cfg)}
+  unknown = sorted(set(changes) - fields)
+  if unknown:
+    raise TypeError(f'{type(cfg).__name__} has no field(s) {unknown}')
+  return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,189 @@
+"""Linen building blocks: dense, embedding, RMSNorm, RoPE, dropout, attention, MLP.
+
+Mirrors models/nnx/layers.py class for class. Parameters carry logical axes
+through `nn.with_logical_partitioning`; activations through
+`nn.with_logical_constraint` (a no-op outside a mesh).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import rng
+from models.config import ModelConfig
+
+Axes = tuple[str | None, ...]
+
+# Large negative but finite, so fully masked rows (padding) give no NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def kernel_init(in_axis, out_axis) -> nn.initializers.Initializer:
+  return nn.initializers.variance_scaling(
+      1.0, 'fan_in', 'truncated_normal', in_axis=in_axis, out_axis=out_axis
+  )
+
+
+class DenseGeneral(nn.Module):
+  """y = x . kernel over the trailing `len(in_features)` axes of x."""
+
+  in_features: tuple[int, ...]
+  out_features: tuple[int, ...]
+  logical_axes: Axes
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    n_in, n_out = len(self.in_features), len(self.out_features)
+    init = kernel_init(tuple(range(n_in)), tuple(range(n_in, n_in + n_out)))
+    kernel = self.param(
+        'kernel',
+        nn.with_logical_partitioning(init, self.logical_axes),
+        self.in_features + self.out_features,
+        jnp.dtype(self.config.weight_dtype),
+    )
+    dtype = jnp.dtype(self.config.activation_dtype)
+    contract_x = tuple(range(x.ndim - n_in, x.ndim))
+    return jax.lax.dot_general(
+        x.astype(dtype),
+        kernel.astype(dtype),
+        ((contract_x, tuple(range(n_in))), ((), ())),
+    )
+
+
+class Embed(nn.Module):
+  """Token embedding table; `attend` computes logits through it (tied)."""
+
+  config: ModelConfig
+
+  def setup(self):
+    cfg = self.config
+    self.embedding = self.param(
+        'embedding',
+        nn.with_logical_partitioning(
+            nn.initializers.normal(stddev=1.0), ('vocab', 'embed_vocab')
+        ),
+        (cfg.vocab_size, cfg.emb_dim),
+        jnp.dtype(cfg.weight_dtype),
+    )
+
+  def __call__(self, inputs_BL: jax.Array) -> jax.Array:
+    dtype = jnp.dtype(self.config.activation_dtype)
+    return jnp.take(self.embedding, inputs_BL, axis=0).astype(dtype)
+
+  def attend(self, x_BLE: jax.Array) -> jax.Array:
+    dtype = jnp.dtype(self.config.activation_dtype)
+    return jnp.einsum('ble,ve->blv', x_BLE.astype(dtype), self.embedding.astype(dtype))
+
+
+class RMSNorm(nn.Module):
+  """Root-mean-square norm, statistics in float32."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    scale = self.param(
+        'scale',
+        nn.with_logical_partitioning(nn.initializers.ones, ('norm',)),
+        (x.shape[-1],),
+        jnp.dtype(cfg.weight_dtype),
+    )
+    dtype = jnp.dtype(cfg.activation_dtype)
+    x32 = x.astype(jnp.float32)
+    mean_sq = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    y = (x32 * jax.lax.rsqrt(mean_sq + cfg.norm_epsilon)).astype(dtype)
+    return y * scale.astype(dtype)
+
+
+def apply_rope(x_BLHD: jax.Array, positions_BL: jax.Array, config: ModelConfig) -> jax.Array:
+  """Rotary position embedding (rotate-half form), computed in float32."""
+  head_dim = x_BLHD.shape[-1]
+  fraction = 2 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
+  timescale = config.rope_min_timescale * (
+      config.rope_max_timescale / config.rope_min_timescale
+  ) ** fraction
+  angle = positions_BL[:, :, None, None].astype(jnp.float32) / timescale
+  sin, cos = jnp.sin(angle), jnp.cos(angle)
+  first, second = jnp.split(x_BLHD.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate(
+      [first * cos - second * sin, second * cos + first * sin], axis=-1
+  )
+  return rotated.astype(x_BLHD.dtype)
+
+
+class Dropout(nn.Module):
+  """Inverted dropout with an explicit key (never `make_rng`)."""
+
+  rate: float
+  deterministic: bool = False
+
+  def __call__(self, x: jax.Array, key: jax.Array) -> jax.Array:
+    if self.rate == 0.0 or self.deterministic:
+      return x
+    keep = jax.random.bernoulli(key, 1.0 - self.rate, x.shape)
+    return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros_like(x))
+
+
+class Attention(nn.Module):
+  """Causal, segment-masked grouped-query attention with RoPE."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BLE, positions_BL, segment_ids_BL):
+    cfg = self.config
+    e, n, k, d = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x_BLE = nn.with_logical_constraint(
+        x_BLE, ('activation_batch', 'activation_attn_length', 'activation_attn_embed')
+    )
+    q_BLND = DenseGeneral((e,), (n, d), ('embed', 'q_heads', 'kv'), cfg, name='query')(x_BLE)
+    k_BLKD = DenseGeneral((e,), (k, d), ('embed', 'kv_heads', 'kv_head_dim'), cfg, name='key')(x_BLE)
+    v_BLKD = DenseGeneral((e,), (k, d), ('embed', 'kv_heads', 'kv_head_dim'), cfg, name='value')(x_BLE)
+    qkv_axes = (
+        'activation_kv_batch', 'activation_attn_length',
+        'activation_kv_heads', 'activation_kv_head_dim',
+    )
+    q_BLND = nn.with_logical_constraint(apply_rope(q_BLND, positions_BL, cfg), qkv_axes)
+    k_BLKD = nn.with_logical_constraint(apply_rope(k_BLKD, positions_BL, cfg), qkv_axes)
+    v_BLKD = nn.with_logical_constraint(v_BLKD, qkv_axes)
+
+    b, length = x_BLE.shape[:2]
+    q_BLKGD = (q_BLND * d**-0.5).reshape(b, length, k, n // k, d)
+    logits_BKGLS = jnp.einsum(
+        'blkgd,bskd->bkgls', q_BLKGD, k_BLKD, preferred_element_type=jnp.float32
+    )
+    causal_LS = jnp.tril(jnp.ones((length, length), jnp.bool_))
+    same_segment_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :]
+    mask_BLS = causal_LS[None] & same_segment_BLS
+    logits_BKGLS = jnp.where(mask_BLS[:, None, None], logits_BKGLS, MASK_VALUE)
+    probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(q_BLND.dtype)
+    out_BLKGD = jnp.einsum('bkgls,bskd->blkgd', probs_BKGLS, v_BLKD)
+    out_BLND = nn.with_logical_constraint(
+        out_BLKGD.reshape(b, length, n, d),
+        ('activation_batch', 'activation_attn_length', 'activation_heads', 'activation_kv'),
+    )
+    return DenseGeneral((n, d), (e,), ('heads', 'kv', 'embed'), cfg, name='out')(out_BLND)
+
+
+class MLP(nn.Module):
+  """Gated MLP: wo(silu(wi_0 x) * wi_1 x)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BLE):
+    cfg = self.config
+    e, m = cfg.emb_dim, cfg.mlp_dim
+    gate_BLM = DenseGeneral((e,), (m,), ('embed', 'mlp'), cfg, name='wi_0')(x_BLE)
+    up_BLM = DenseGeneral((e,), (m,), ('embed', 'mlp'), cfg, name='wi_1')(x_BLE)
+    hidden_BLM = nn.with_logical_constraint(
+        jax.nn.silu(gate_BLM) * up_BLM,
+        ('activation_batch', 'activation_length', 'activation_mlp'),
+    )
+    return DenseGeneral((m,), (e,), ('mlp', 'embed'), cfg, name='wo')(hidden_BLM)
+

@@ -1,0 +1,153 @@
+"""Linen train state, loss, optimizer wiring, train and eval steps.
+
+Mirrors models/nnx/train.py. The train state is flax's `TrainState` holding
+the whole variables dict, so its parameter paths read `params/params/...`.
+Steps are built once per config (`functools.cache`) and jitted once.
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+from models import rng
+from models.config import ModelConfig, TrainConfig
+from models.linen.decoder import Transformer
+
+TrainState = train_state.TrainState
+
+
+def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW on linear warmup + cosine decay."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0,
+      peak_value=train_cfg.learning_rate,
+      warmup_steps=train_cfg.warmup_steps,
+      decay_steps=train_cfg.decay_steps,
+      end_value=train_cfg.learning_rate * train_cfg.end_learning_rate_ratio,
+  )
+  return optax.chain(
+      optax.clip_by_global_norm(train_cfg.max_grad_norm),
+      optax.adamw(
+          schedule,
+          b1=train_cfg.adam_b1,
+          b2=train_cfg.adam_b2,
+          eps=train_cfg.adam_eps,
+          weight_decay=train_cfg.weight_decay,
+      ),
+  )
+
+
+def init_variables(model_cfg: ModelConfig, train_cfg: TrainConfig, seed: int):
+  """Boxed (logically partitioned) variables; wrap in jax.eval_shape for shapes only."""
+  shape = (1, train_cfg.seq_len)
+  tokens = jnp.zeros(shape, jnp.int32)
+  return Transformer(model_cfg).init(
+      {'params': jax.random.PRNGKey(seed)},
+      tokens, tokens, jnp.ones(shape, jnp.int32), rng.base_key(seed),
+  )
+
+
+def create_train_state(model_cfg: ModelConfig, train_cfg: TrainConfig, variables) -> TrainState:
+  """A TrainState over the unboxed variables dict (`{'params': ...}`)."""
+  return TrainState.create(
+      apply_fn=Transformer(model_cfg).apply,
+      params=nn.unbox(variables),
+      tx=make_optimizer(train_cfg),
+  )
+
+
+def cross_entropy_loss(logits_BLV, targets_BL, weights_BL, z_loss_weight):
+  """Sums over real tokens of (cross-entropy + z-loss) and of z-loss alone."""
+  logits_BLV = logits_BLV.astype(jnp.float32)
+  lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+  target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
+  z_loss_BL = z_loss_weight * jnp.square(lse_BL)
+  total_BL = (lse_BL - target_logit_BL + z_loss_BL) * weights_BL
+  return jnp.sum(total_BL), jnp.sum(z_loss_BL * weights_BL)
+
+
+def _forward(model_cfg: ModelConfig, variables, batch, dropout_key, deterministic=False):
+  return Transformer(model_cfg, deterministic).apply(
+      variables, batch['inputs'], batch['positions'], batch['segment_ids'], dropout_key
+  )
+
+
+def _loss_sum(model_cfg, train_cfg, variables, batch, dropout_key):
+  logits_BLV = _forward(model_cfg, variables, batch, dropout_key)
+  weights_BL = (batch['segment_ids'] != 0).astype(jnp.float32)
+  loss_sum, z_sum = cross_entropy_loss(
+      logits_BLV, batch['targets'], weights_BL, train_cfg.z_loss_weight
+  )
+  return loss_sum, (z_sum, jnp.sum(weights_BL))
+
+
+@functools.cache
+def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
+  """The jitted `train_step(state, batch, dropout_base) -> (state, metrics)`.
+
+  Gradients are sums over real tokens, accumulated over microbatches with a
+  scan, then divided by the total token count: every token weighs the same
+  however the batch is split.
+  """
+  grad_fn = jax.value_and_grad(
+      functools.partial(_loss_sum, model_cfg, train_cfg), has_aux=True
+  )
+  accum = train_cfg.grad_accum_steps
+
+  def microbatch_grads(params, batch, dropout_base, step, microbatch):
+    key = rng.step_key(dropout_base, step, microbatch)
+    (loss_sum, (z_sum, tokens)), grads = grad_fn(params, batch, key)
+    return grads, loss_sum, z_sum, tokens
+
+  def train_step(state: TrainState, batch, dropout_base):
+    if accum == 1:
+      grads, loss_sum, z_sum, tokens = microbatch_grads(
+          state.params, batch, dropout_base, state.step, 0
+      )
+    else:
+      microbatches = jax.tree.map(
+          lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch
+      )
+
+      def accumulate(carry, inputs):
+        microbatch, index = inputs
+        out = microbatch_grads(state.params, microbatch, dropout_base, state.step, index)
+        return jax.tree.map(jnp.add, carry, out), None
+
+      zero = jnp.zeros((), jnp.float32)
+      init = (jax.tree.map(jnp.zeros_like, state.params), zero, zero, zero)
+      (grads, loss_sum, z_sum, tokens), _ = jax.lax.scan(
+          accumulate, init, (microbatches, jnp.arange(accum, dtype=jnp.uint32))
+      )
+    grads = jax.tree.map(lambda g: (g / tokens).astype(g.dtype), grads)
+    new_state = state.apply_gradients(grads=grads)
+    metrics = {'loss': loss_sum / tokens, 'z_loss': z_sum / tokens, 'tokens': tokens}
+    return new_state, metrics
+
+  return jax.jit(train_step)
+
+
+@functools.cache
+def make_eval_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
+  """The jitted `eval_step(params, batch) -> {loss, accuracy, tokens}` (dropout off)."""
+
+  def eval_step(params, batch):
+    logits_BLV = _forward(model_cfg, params, batch, jnp.zeros((2,), jnp.uint32), True)
+    weights_BL = (batch['segment_ids'] != 0).astype(jnp.float32)
+    loss_sum, _ = cross_entropy_loss(
+        logits_BLV, batch['targets'], weights_BL, train_cfg.z_loss_weight
+    )
+    correct_BL = (jnp.argmax(logits_BLV, axis=-1) == batch['targets']).astype(jnp.float32)
+    tokens = jnp.sum(weights_BL)
+    return {
+        'loss': loss_sum / tokens,
+        'accuracy': jnp.sum(correct_BL * weights_BL) / tokens,
+        'tokens': tokens,
+    }
+
+  return jax.jit(eval_step)

@@ -1,0 +1,206 @@
+"""NNX building blocks: dense, embedding, RMSNorm, RoPE, dropout, attention, MLP.
+
+Mirrors models/linen/layers.py class for class. Submodules are attributes
+named as the Linen submodules, so parameter paths are the same. Parameters
+carry logical axes as `out_sharding` metadata (models.compat.nnx_param);
+activations through `logical_constraint` (a no-op outside a mesh).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen import spmd as flax_spmd
+
+from models import compat, rng
+from models.config import ModelConfig
+
+Axes = tuple[str | None, ...]
+
+# Large negative but finite, so fully masked rows (padding) give no NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def logical_constraint(x: jax.Array, logical_axes: Axes) -> jax.Array:
+  """Constrains an activation by logical axis names, using the context rules.
+
+  flax's logical-to-mesh resolution (priority rules, unmatched names left
+  unsharded) is a framework-neutral helper; the constraint itself is applied
+  here, so a constraint dropped on this side is a visible difference.
+  """
+  rules = flax_spmd.get_logical_axis_rules()
+  if not rules or not compat.mesh_is_active():
+    return x
+  spec = flax_spmd.logical_to_mesh_axes(logical_axes, rules)
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
+def kernel_init(in_axis, out_axis) -> jax.nn.initializers.Initializer:
+  return jax.nn.initializers.variance_scaling(
+      1.0, 'fan_in', 'truncated_normal', in_axis=in_axis, out_axis=out_axis
+  )
+
+
+class DenseGeneral(nnx.Module):
+  """y = x . kernel over the trailing `len(in_features)` axes of x."""
+
+  def __init__(
+      self,
+      in_features: tuple[int, ...],
+      out_features: tuple[int, ...],
+      logical_axes: Axes,
+      config: ModelConfig,
+      *,
+      rngs: nnx.Rngs,
+  ):
+    n_in, n_out = len(in_features), len(out_features)
+    init = kernel_init(tuple(range(n_in)), tuple(range(n_in, n_in + n_out)))
+    self.n_in = n_in
+    self.config = config
+    self.kernel = compat.nnx_param(
+        init(rngs.params(), in_features + out_features, jnp.dtype(config.weight_dtype)),
+        logical_axes,
+    )
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dtype = jnp.dtype(self.config.activation_dtype)
+    contract_x = tuple(range(x.ndim - self.n_in, x.ndim))
+    return jax.lax.dot_general(
+        x.astype(dtype),
+        self.kernel[...].astype(dtype),
+        ((contract_x, tuple(range(self.n_in))), ((), ())),
+    )
+
+
+class Embed(nnx.Module):
+  """Token embedding table; `attend` computes logits through it (tied)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    init = jax.nn.initializers.normal(stddev=1.0)
+    self.embedding = compat.nnx_param(
+        init(rngs.params(), (config.vocab_size, config.emb_dim), jnp.dtype(config.weight_dtype)),
+        ('vocab', 'embed_vocab'),
+    )
+
+  def __call__(self, inputs_BL: jax.Array) -> jax.Array:
+    dtype = jnp.dtype(self.config.activation_dtype)
+    return jnp.take(self.embedding[...], inputs_BL, axis=0).astype(dtype)
+
+  def attend(self, x_BLE: jax.Array) -> jax.Array:
+    dtype = jnp.dtype(self.config.activation_dtype)
+    return jnp.einsum('ble,ve->blv', x_BLE.astype(dtype), self.embedding[...].astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square norm, statistics in float32."""
+
+  def __init__(self, num_features: int, config: ModelConfig, *, rngs: nnx.Rngs):
+    del rngs  # ones: nothing random, taken for a uniform constructor
+    self.config = config
+    self.scale = compat.nnx_param(
+        jnp.ones((num_features,), jnp.dtype(config.weight_dtype)), ('norm',)
+    )
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    dtype = jnp.dtype(cfg.activation_dtype)
+    x32 = x.astype(jnp.float32)
+    mean_sq = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    y = (x32 * jax.lax.rsqrt(mean_sq + cfg.norm_epsilon)).astype(dtype)
+    return y * self.scale[...].astype(dtype)
+
+
+def apply_rope(x_BLHD: jax.Array, positions_BL: jax.Array, config: ModelConfig) -> jax.Array:
+  """Rotary position embedding (rotate-half form), computed in float32."""
+  head_dim = x_BLHD.shape[-1]
+  fraction = 2 * jnp.arange(head_dim // 2, dtype=jnp.float32) / head_dim
+  timescale = config.rope_min_timescale * (
+      config.rope_max_timescale / config.rope_min_timescale
+  ) ** fraction
+  angle = positions_BL[:, :, None, None].astype(jnp.float32) / timescale
+  sin, cos = jnp.sin(angle), jnp.cos(angle)
+  first, second = jnp.split(x_BLHD.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate(
+      [first * cos - second * sin, second * cos + first * sin], axis=-1
+  )
+  return rotated.astype(x_BLHD.dtype)
+
+
+class Dropout(nnx.Module):
+  """Inverted dropout with an explicit key (never an `nnx.Rngs` stream)."""
+
+  def __init__(self, rate: float):
+    self.rate = rate
+    self.deterministic = False  # set by Module.eval()
+
+  def __call__(self, x: jax.Array, key: jax.Array) -> jax.Array:
+    if self.rate == 0.0 or self.deterministic:
+      return x
+    keep = jax.random.bernoulli(key, 1.0 - self.rate, x.shape)
+    return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros_like(x))
+
+
+class Attention(nnx.Module):
+  """Causal, segment-masked grouped-query attention with RoPE."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    cfg = self.config = config
+    e, n, k, d = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.query = DenseGeneral((e,), (n, d), ('embed', 'q_heads', 'kv'), cfg, rngs=rngs)
+    self.key = DenseGeneral((e,), (k, d), ('embed', 'kv_heads', 'kv_head_dim'), cfg, rngs=rngs)
+    self.value = DenseGeneral((e,), (k, d), ('embed', 'kv_heads', 'kv_head_dim'), cfg, rngs=rngs)
+    self.out = DenseGeneral((n, d), (e,), ('heads', 'kv', 'embed'), cfg, rngs=rngs)
+
+  def __call__(self, x_BLE, positions_BL, segment_ids_BL):
+    cfg = self.config
+    n, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x_BLE = logical_constraint(
+        x_BLE, ('activation_batch', 'activation_attn_length', 'activation_attn_embed')
+    )
+    q_BLND = self.query(x_BLE)
+    k_BLKD = self.key(x_BLE)
+    v_BLKD = self.value(x_BLE)
+    qkv_axes = (
+        'activation_kv_batch', 'activation_attn_length',
+        'activation_kv_heads', 'activation_kv_head_dim',
+    )
+    q_BLND = logical_constraint(apply_rope(q_BLND, positions_BL, cfg), qkv_axes)
+    k_BLKD = logical_constraint(apply_rope(k_BLKD, positions_BL, cfg), qkv_axes)
+    v_BLKD = logical_constraint(v_BLKD, qkv_axes)
+
+    b, length = x_BLE.shape[:2]
+    q_BLKGD = (q_BLND * d**-0.5).reshape(b, length, k, n // k, d)
+    logits_BKGLS = jnp.einsum(
+        'blkgd,bskd->bkgls', q_BLKGD, k_BLKD, preferred_element_type=jnp.float32
+    )
+    causal_LS = jnp.tril(jnp.ones((length, length), jnp.bool_))
+    same_segment_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :]
+    mask_BLS = causal_LS[None] & same_segment_BLS
+    logits_BKGLS = jnp.where(mask_BLS[:, None, None], logits_BKGLS, MASK_VALUE)
+    probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(q_BLND.dtype)
+    out_BLKGD = jnp.einsum('bkgls,bskd->blkgd', probs_BKGLS, v_BLKD)
+    out_BLND = logical_constraint(
+        out_BLKGD.reshape(b, length, n, d),
+        ('activation_batch', 'activation_attn_length', 'activation_heads', 'activation_kv'),
+    )
+    return self.out(out_BLND)
+
+
+class MLP(nnx.Module):
+  """Gated MLP: wo(silu(wi_0 x) * wi_1 x)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    e, m = config.emb_dim, config.mlp_dim
+    self.wi_0 = DenseGeneral((e,), (m,), ('embed', 'mlp'), config, rngs=rngs)
+    self.wi_1 = DenseGeneral((e,), (m,), ('embed', 'mlp'), config, rngs=rngs)
+    self.wo = DenseGeneral((m,), (e,), ('mlp', 'embed'), config, rngs=rngs)
+
+  def __call__(self, x_BLE):
+    hidden_BLM = logical_constraint(
+        jax.nn.silu(self.wi_0(x_BLE)) * self.wi_1(x_BLE),
+        ('activation_batch', 'activation_length', 'activation_mlp'),
+    )
+    return self.wo(hidden_BLM)
