@@ -45,16 +45,14 @@ def use_mesh(mesh: jax.sharding.Mesh) -> Iterator[jax.sharding.Mesh]:
     yield mesh
 
 
-def tree_paths(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
-  """Flattened (key path, leaf) pairs, the keys as plain python values."""
-  out = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    out.append((tuple(_key_value(k) for k in path), leaf))
-  return out
-
-
-def _key_value(key: Any) -> Any:
+def key_value(key: Any) -> Any:
+  """The plain value of a jax key-path entry (dict key, attribute, index)."""
   for attr in ('key', 'idx', 'name'):
     if hasattr(key, attr):
       return getattr(key, attr)
   return str(key)
+
+
+def nnx_variable_with_value(variable: nnx.Variable, value: Any) -> nnx.Variable:
+  """A copy of `variable` (type and metadata kept) holding `value`."""
+  return variable.copy(value)

@@ -53,12 +53,17 @@ def init_variables(model_cfg: ModelConfig, train_cfg: TrainConfig, seed: int):
 
 
 def create_train_state(model_cfg: ModelConfig, train_cfg: TrainConfig, variables) -> TrainState:
-  """A TrainState over the unboxed variables dict (`{'params': ...}`)."""
-  return TrainState.create(
+  """A TrainState over the unboxed variables dict (`{'params': ...}`).
+
+  The step is an int32 array from the start (not a Python int), so the
+  state's tree and the checkpoint layout do not change after the first step.
+  """
+  state = TrainState.create(
       apply_fn=Transformer(model_cfg).apply,
       params=nn.unbox(variables),
       tx=make_optimizer(train_cfg),
   )
+  return state.replace(step=jnp.zeros((), jnp.int32))
 
 
 def cross_entropy_loss(logits_BLV, targets_BL, weights_BL, z_loss_weight):

@@ -1,0 +1,150 @@
+"""Parameters, optimizer state and step, Linen <-> NNX.
+
+The checkpoint layout is the Linen one: a flat `{path: array}` with
+`step`, `params/params/<param path>` and `opt_state/<...>/params/<param path>`
+for every optimizer leaf that mirrors a parameter (Adam mu and nu). On the
+NNX side the same leaves live at `0/<param path>` (the model) and
+`1/step`, `1/opt_state/<...>/<param path>` (the optimizer) of the state of
+`(model, optimizer)`.
+
+Every function is pure and strict: a template gives the target structure,
+and a missing or extra path or a shape or dtype mismatch raises
+TreeMismatchError naming each path. The step counter is the one leaf whose
+dtype differs by design (Linen int32, `nnx.Optimizer` uint32); it is
+converted exactly and range-checked.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from bridge import paths
+from bridge.errors import Problem, TreeMismatchError
+from bridge.layout import IDENTITY, Layout
+
+LINEN_STEP_DTYPE = np.int32
+NNX_STEP_DTYPE = np.uint32
+
+
+def linen_params_to_nnx(linen_variables: Any, nnx_params: Any, layout: Layout = IDENTITY) -> Any:
+  """Linen variables `{'params': tree}` -> NNX params state shaped like `nnx_params`."""
+  flat = _strip_prefix('Linen variables', paths.flatten(linen_variables), 'params/')
+  flat = {p: layout.array_to_nnx(p, x) for p, x in flat.items()}
+  return paths.fill('Linen -> NNX parameters', nnx_params, flat)
+
+
+def nnx_params_to_linen(nnx_params: Any, linen_variables: Any, layout: Layout = IDENTITY) -> Any:
+  """NNX params state -> Linen variables `{'params': tree}` shaped like `linen_variables`."""
+  flat = {'params/' + p: layout.array_to_linen(p, x) for p, x in paths.flatten(nnx_params).items()}
+  return paths.fill('NNX -> Linen parameters', linen_variables, flat)
+
+
+def linen_to_checkpoint(linen_state: Any) -> dict[str, Any]:
+  """The flat checkpoint layout of a Linen TrainState (it is that layout)."""
+  flat = paths.flatten(linen_state)
+  flat['step'] = _convert_step(flat['step'], LINEN_STEP_DTYPE)
+  return flat
+
+
+def nnx_to_checkpoint(nnx_state: Any, layout: Layout = IDENTITY) -> dict[str, Any]:
+  """The flat checkpoint layout of the NNX state of `(model, optimizer)`."""
+  flat = paths.flatten(nnx_state)
+  param_paths = _param_paths(flat, '0/')
+  out: dict[str, Any] = {}
+  for path, x in flat.items():
+    if path.startswith('0/'):
+      p = path[2:]
+      out['params/params/' + p] = layout.array_to_linen(p, x)
+    elif path == '1/step':
+      out['step'] = _convert_step(x, LINEN_STEP_DTYPE)
+    elif path.startswith('1/opt_state/'):
+      rest = path[len('1/'):]
+      p = _param_suffix(rest, param_paths)
+      if p is None:
+        out[rest] = x
+      else:
+        head = rest[: len(rest) - len(p)]
+        out[head + 'params/' + p] = layout.array_to_linen(p, x)
+    else:
+      raise TreeMismatchError(
+          'NNX train state',
+          [Problem(path, 'extra', 'model (0/...) or optimizer (1/...) leaf', 'other')],
+      )
+  return out
+
+
+def checkpoint_to_linen(flat: Mapping[str, Any], linen_state: Any) -> Any:
+  """A Linen TrainState shaped like `linen_state`, filled from the checkpoint layout."""
+  flat = dict(flat)
+  if 'step' in flat:
+    flat['step'] = _convert_step(flat['step'], LINEN_STEP_DTYPE)
+  template = linen_state.replace(step=jnp.zeros((), LINEN_STEP_DTYPE))
+  return paths.fill('checkpoint -> Linen train state', template, flat)
+
+
+def checkpoint_to_nnx(flat: Mapping[str, Any], nnx_state: Any, layout: Layout = IDENTITY) -> Any:
+  """An NNX `(model, optimizer)` state shaped like `nnx_state`, filled from the checkpoint layout."""
+  param_paths = {k[len('params/params/'):] for k in flat if k.startswith('params/params/')}
+  out: dict[str, Any] = {}
+  for path, x in flat.items():
+    if path.startswith('params/params/'):
+      p = path[len('params/params/'):]
+      out['0/' + p] = layout.array_to_nnx(p, x)
+    elif path == 'step':
+      out['1/step'] = _convert_step(x, NNX_STEP_DTYPE)
+    elif path.startswith('opt_state/'):
+      p = _param_suffix(path, param_paths)
+      if p is not None and path[: len(path) - len(p)].endswith('/params/'):
+        head = path[: len(path) - len(p) - len('params/')]
+        out['1/' + head + p] = layout.array_to_nnx(p, x)
+      else:
+        out['1/' + path] = x
+    else:
+      out[path] = x  # reported as an extra path by fill
+  return paths.fill('checkpoint -> NNX train state', nnx_state, out)
+
+
+def linen_to_nnx(linen_state: Any, nnx_state: Any, layout: Layout = IDENTITY) -> Any:
+  """Linen TrainState -> NNX `(model, optimizer)` state shaped like `nnx_state`."""
+  return checkpoint_to_nnx(linen_to_checkpoint(linen_state), nnx_state, layout)
+
+
+def nnx_to_linen(nnx_state: Any, linen_state: Any, layout: Layout = IDENTITY) -> Any:
+  """NNX `(model, optimizer)` state -> Linen TrainState shaped like `linen_state`."""
+  return checkpoint_to_linen(nnx_to_checkpoint(nnx_state, layout), linen_state)
+
+
+def _strip_prefix(what: str, flat: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+  bad = [p for p in flat if not p.startswith(prefix)]
+  if bad:
+    raise TreeMismatchError(
+        what, [Problem(p, 'extra', f'a path under {prefix!r}', 'another collection') for p in bad]
+    )
+  return {p[len(prefix):]: x for p, x in flat.items()}
+
+
+def _param_paths(flat: Mapping[str, Any], prefix: str) -> set[str]:
+  return {p[len(prefix):] for p in flat if p.startswith(prefix)}
+
+
+def _param_suffix(path: str, param_paths: Iterable[str]) -> str | None:
+  """The parameter path that `path` ends with (an optimizer leaf mirroring it)."""
+  for p in param_paths:
+    if path.endswith('/' + p):
+      return p
+  return None
+
+
+def _convert_step(value: Any, dtype: Any) -> Any:
+  step = np.asarray(value)
+  if step.shape != () or not np.issubdtype(step.dtype, np.integer):
+    raise TreeMismatchError(
+        'train state step', [Problem('step', 'dtype', 'an integer scalar', paths.describe(step))]
+    )
+  if not 0 <= int(step) <= np.iinfo(np.int32).max:
+    raise TreeMismatchError(
+        'train state step', [Problem('step', 'value', '0 <= step < 2**31', str(int(step)))]
+    )
+  return jnp.asarray(step, dtype)

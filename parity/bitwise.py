@@ -1,0 +1,111 @@
+"""Bitwise pytree comparison: the helper every equivalence test uses.
+
+Two leaves are equal when shape, dtype and raw bits (the array viewed as
+unsigned integers) are equal: NaN payloads count, and -0.0 differs from
++0.0. `np.testing.assert_array_equal` and `chex.assert_trees_all_equal`
+compare values, not bits, so they are not used for equivalence.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from bridge import paths
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def raw_bits(x: Any) -> np.ndarray:
+  """The array's bytes as unsigned integers of the same width."""
+  arr = np.asarray(x)
+  if arr.dtype == np.bool_:
+    return arr.view(np.uint8)
+  return arr.view(_UINT[arr.dtype.itemsize])
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafDiff:
+  """One leaf that is not bit-identical, with enough detail to act on."""
+
+  path: str
+  kind: str  # 'missing', 'extra', 'shape', 'dtype' or 'bits'
+  detail: str
+
+  def __str__(self) -> str:
+    return f'{self.path}: {self.kind}: {self.detail}'
+
+
+def _ordered(bits: np.ndarray, width: int) -> np.ndarray:
+  """Float bit patterns mapped to integers whose order is the float order."""
+  sign = bits >> (8 * width - 1)
+  magnitude = (bits & ~(np.array(1, bits.dtype) << (8 * width - 1))).astype(object if width == 8 else np.int64)
+  return np.where(sign == 1, -magnitude, magnitude)
+
+
+def _bits_detail(a: np.ndarray, b: np.ndarray, bits_a: np.ndarray, bits_b: np.ndarray) -> str:
+  differ = bits_a != bits_b
+  count = int(np.count_nonzero(differ))
+  first = tuple(int(i) for i in np.argwhere(differ)[0]) if a.ndim else ()
+  va, vb = a[first], b[first]
+  parts = [f'{count} of {a.size} elements differ']
+  if np.issubdtype(a.dtype, np.inexact) or a.dtype.kind == 'V' or _is_ml_float(a.dtype):
+    fa, fb = a[differ].astype(np.float64), b[differ].astype(np.float64)
+    with np.errstate(invalid='ignore'):
+      absdiff = np.abs(fa - fb)
+    finite = absdiff[np.isfinite(absdiff)]
+    parts.append(f'max abs diff {finite.max() if finite.size else float("nan"):.6g}')
+    width = a.dtype.itemsize
+    ulps = np.abs(_ordered(bits_a[differ], width) - _ordered(bits_b[differ], width))
+    parts.append(f'max ULP distance {int(ulps.max())}')
+  elif np.issubdtype(a.dtype, np.integer):
+    parts.append(f'max abs diff {int(np.max(np.abs(a[differ].astype(object) - b[differ].astype(object))))}')
+  parts.append(
+      f'first at index {list(first)}: {va!r} (bits 0x{int(bits_a[first]):x}) vs'
+      f' {vb!r} (bits 0x{int(bits_b[first]):x})'
+  )
+  return ', '.join(parts)
+
+
+def _is_ml_float(dtype: np.dtype) -> bool:
+  return dtype.kind == 'V' or 'float' in dtype.name
+
+
+def compare_leaves(path: str, a: Any, b: Any) -> LeafDiff | None:
+  a, b = np.asarray(a), np.asarray(b)
+  if a.shape != b.shape:
+    return LeafDiff(path, 'shape', f'{list(a.shape)} vs {list(b.shape)}')
+  if a.dtype != b.dtype:
+    return LeafDiff(path, 'dtype', f'{a.dtype.name} vs {b.dtype.name}')
+  bits_a, bits_b = raw_bits(a), raw_bits(b)
+  if np.array_equal(bits_a, bits_b):
+    return None
+  return LeafDiff(path, 'bits', f'{a.dtype.name}{list(a.shape)}: ' + _bits_detail(a, b, bits_a, bits_b))
+
+
+def compare_trees(a: Any, b: Any) -> list[LeafDiff]:
+  """Every leaf of `a` and `b` that is not bit-identical (empty list: equal)."""
+  flat_a, flat_b = paths.flatten(a), paths.flatten(b)
+  diffs = [LeafDiff(p, 'missing', 'only in the first tree') for p in sorted(set(flat_a) - set(flat_b))]
+  diffs += [LeafDiff(p, 'extra', 'only in the second tree') for p in sorted(set(flat_b) - set(flat_a))]
+  for path in sorted(set(flat_a) & set(flat_b)):
+    diff = compare_leaves(path, flat_a[path], flat_b[path])
+    if diff is not None:
+      diffs.append(diff)
+  return diffs
+
+
+def bitwise_equal(a: Any, b: Any) -> bool:
+  return not compare_trees(a, b)
+
+
+def assert_bitwise_equal(a: Any, b: Any, what: str = 'trees') -> None:
+  """Raises AssertionError listing every differing leaf of `a` vs `b`."""
+  diffs = compare_trees(a, b)
+  if diffs:
+    lines = [f'{what} are not bit-identical: {len(diffs)} leaf/leaves differ']
+    lines += [f'  {d}' for d in diffs[:50]]
+    if len(diffs) > 50:
+      lines.append(f'  ... and {len(diffs) - 50} more')
+    raise AssertionError('\n'.join(lines))
