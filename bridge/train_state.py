@@ -86,7 +86,9 @@ def checkpoint_to_linen(flat: Mapping[str, Any], linen_state: Any) -> Any:
 
 def checkpoint_to_nnx(flat: Mapping[str, Any], nnx_state: Any, layout: Layout = IDENTITY) -> Any:
   """An NNX `(model, optimizer)` state shaped like `nnx_state`, filled from the checkpoint layout."""
-  param_paths = {k[len('params/params/'):] for k in flat if k.startswith('params/params/')}
+  # Parameter paths come from the target, so a parameter missing from the
+  # checkpoint is reported once, not again for each of its optimizer leaves.
+  param_paths = _param_paths(paths.flatten(nnx_state), '0/')
   out: dict[str, Any] = {}
   for path, x in flat.items():
     if path.startswith('params/params/'):

@@ -67,7 +67,12 @@ class LinenSide:
     return state.params
 
   def forward(self, state, batch, dropout_key):
-    return linen_train._forward(self.model_cfg, state.params, batch, dropout_key)
+    return _linen_forward(self.model_cfg, state.params, batch, dropout_key)
+
+  def loss_and_grad(self, state, batch, dropout_key):
+    """((loss_sum, (z_sum, tokens)), grads as Linen variables `{'params': ...}`)."""
+    fn = linen_train.make_loss_and_grad(self.model_cfg, self.train_cfg)
+    return fn(state.params, batch, dropout_key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +132,16 @@ class NnxSide:
 
   def forward(self, state, batch, dropout_key):
     return _nnx_forward(self.graphdef, state, batch, dropout_key)
+
+  def loss_and_grad(self, state, batch, dropout_key):
+    """((loss_sum, (z_sum, tokens)), grads as an NNX Param state)."""
+    fn = nnx_train.make_loss_and_grad(self.model_cfg, self.train_cfg)
+    return fn(self.graphdef, state, batch, dropout_key)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _linen_forward(model_cfg, params, batch, dropout_key):
+  return linen_train._forward(model_cfg, params, batch, dropout_key)
 
 
 @functools.partial(jax.jit, static_argnums=0)

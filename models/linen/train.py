@@ -156,3 +156,11 @@ def make_eval_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
     }
 
   return jax.jit(eval_step)
+
+
+@functools.cache
+def make_loss_and_grad(model_cfg: ModelConfig, train_cfg: TrainConfig):
+  """The jitted `(params, batch, dropout_key) -> ((loss_sum, (z_sum, tokens)), grads)`."""
+  return jax.jit(
+      jax.value_and_grad(functools.partial(_loss_sum, model_cfg, train_cfg), has_aux=True)
+  )

@@ -148,3 +148,16 @@ def make_eval_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
     }
 
   return jax.jit(eval_step, static_argnums=0)
+
+
+@functools.cache
+def make_loss_and_grad(model_cfg: ModelConfig, train_cfg: TrainConfig):
+  """The jitted `(graphdef, state, batch, dropout_key) -> ((loss_sum, (z_sum, tokens)), grads)`."""
+  del model_cfg
+  grad_fn = nnx.value_and_grad(functools.partial(_loss_sum, train_cfg), has_aux=True)
+
+  def loss_and_grad(graphdef, state, batch, dropout_key):
+    model, _ = nnx.merge(graphdef, state)
+    return grad_fn(model, batch, dropout_key)
+
+  return jax.jit(loss_and_grad, static_argnums=0)

@@ -1,0 +1,28 @@
+"""Shared fixtures. Module- and session-scoped so each worker compiles once."""
+from __future__ import annotations
+
+import pytest
+
+from models import data, rng
+from models.config import get_preset
+from parity.sides import as_jax_batch, make_sides
+
+
+@pytest.fixture(scope='session')
+def tiny_cfgs():
+  return get_preset('tiny')
+
+
+@pytest.fixture(scope='session')
+def tiny_sides(tiny_cfgs):
+  return make_sides(*tiny_cfgs)
+
+
+@pytest.fixture(scope='session')
+def tiny_batch(tiny_cfgs):
+  return as_jax_batch(data.make_batch(*tiny_cfgs, step=0))
+
+
+@pytest.fixture(scope='session')
+def dropout_base():
+  return rng.base_key(0)

@@ -1,0 +1,65 @@
+"""The comparison helper itself: it must see one flipped bit anywhere, and ±0."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parity.bitwise import assert_bitwise_equal, compare_trees, raw_bits
+
+
+def _large_tree():
+  keys = jax.random.split(jax.random.PRNGKey(0), 40)
+  return {
+      f'layer_{i}': {
+          'kernel': jax.random.normal(k, (64, 96), jnp.float32),
+          'scale': jnp.ones((96,), jnp.bfloat16),
+          'count': jnp.arange(7, dtype=jnp.int32),
+      }
+      for i, k in enumerate(keys)
+  }
+
+
+def test_single_flipped_bit_in_large_tree_is_found_and_reported():
+  a = _large_tree()
+  b = jax.tree.map(lambda x: x, a)
+  kernel = np.array(b['layer_27']['kernel'])
+  bits = kernel.view(np.uint32)
+  bits[13, 41] ^= 1  # lowest mantissa bit: one ULP
+  b['layer_27']['kernel'] = jnp.asarray(kernel)
+  diffs = compare_trees(a, b)
+  assert [d.path for d in diffs] == ['layer_27/kernel']
+  detail = diffs[0].detail
+  assert '1 of 6144 elements differ' in detail
+  assert 'max ULP distance 1' in detail
+  assert 'first at index [13, 41]' in detail
+  with pytest.raises(AssertionError, match='layer_27/kernel'):
+    assert_bitwise_equal(a, b)
+
+
+def test_negative_zero_differs_from_positive_zero():
+  assert compare_trees({'x': jnp.float32(0.0)}, {'x': jnp.float32(-0.0)})
+  assert compare_trees({'x': jnp.zeros(3, jnp.bfloat16)}, {'x': -jnp.zeros(3, jnp.bfloat16)})
+
+
+def test_nan_payloads_count():
+  a = np.array([np.nan], np.float32)
+  b = a.copy()
+  b.view(np.uint32)[0] ^= 1
+  assert np.isnan(b[0])
+  assert compare_trees({'x': a}, {'x': b})
+  assert not compare_trees({'x': a}, {'x': a.copy()})
+
+
+def test_shape_dtype_and_structure_differences_are_reported():
+  diffs = compare_trees(
+      {'a': jnp.zeros(3), 'b': jnp.zeros(3), 'c': jnp.zeros(2)},
+      {'a': jnp.zeros(4), 'b': jnp.zeros(3, jnp.bfloat16), 'd': jnp.zeros(2)},
+  )
+  kinds = {(d.path, d.kind) for d in diffs}
+  assert kinds == {('a', 'shape'), ('b', 'dtype'), ('c', 'missing'), ('d', 'extra')}
+
+
+def test_equal_trees_pass():
+  tree = _large_tree()
+  assert_bitwise_equal(tree, jax.tree.map(lambda x: x + 0, tree))
+  assert raw_bits(jnp.float32(1.0)) == np.uint32(0x3F800000)

@@ -1,0 +1,116 @@
+"""The bridge: round trips are the identity, bad input names every offending path."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bridge import train_state as bridge_state
+from bridge.errors import TreeMismatchError
+from bridge.layout import AxisMove, Layout
+from parity.bitwise import assert_bitwise_equal
+
+
+@pytest.fixture(scope='module')
+def states(tiny_sides):
+  linen, nnx_side = tiny_sides
+  return linen.init(0), nnx_side.init(1)
+
+
+def test_params_linen_nnx_linen_is_identity(tiny_sides, states):
+  linen, nnx_side = tiny_sides
+  linen_state, nnx_state = states
+  nnx_params = nnx_side.params(nnx_state)
+  there = bridge_state.linen_params_to_nnx(linen_state.params, nnx_params)
+  back = bridge_state.nnx_params_to_linen(there, linen_state.params)
+  assert_bitwise_equal(linen_state.params, back, 'Linen -> NNX -> Linen params')
+
+
+def test_params_nnx_linen_nnx_is_identity(tiny_sides, states):
+  linen, nnx_side = tiny_sides
+  linen_state, nnx_state = states
+  nnx_params = nnx_side.params(nnx_state)
+  back = bridge_state.linen_params_to_nnx(
+      bridge_state.nnx_params_to_linen(nnx_params, linen_state.params), nnx_params
+  )
+  assert_bitwise_equal(nnx_params, back, 'NNX -> Linen -> NNX params')
+
+
+def test_train_state_round_trips_are_identity(tiny_sides, states):
+  linen, nnx_side = tiny_sides
+  linen_state, nnx_state = states
+  flat = linen.to_checkpoint(linen_state)
+  assert_bitwise_equal(flat, linen.to_checkpoint(linen.from_checkpoint(
+      nnx_side.to_checkpoint(nnx_side.from_checkpoint(flat)))), 'Linen -> NNX -> Linen state')
+  flat = nnx_side.to_checkpoint(nnx_state)
+  assert_bitwise_equal(flat, nnx_side.to_checkpoint(nnx_side.from_checkpoint(
+      linen.to_checkpoint(linen.from_checkpoint(flat)))), 'NNX -> Linen -> NNX state')
+
+
+def test_checkpoint_layout_paths(tiny_sides, states):
+  """The NNX side writes the Linen layout, as in the seed logs."""
+  _, nnx_side = tiny_sides
+  flat = nnx_side.to_checkpoint(states[1])
+  assert 'params/params/decoder/layers/mlp/wi_0/kernel' in flat
+  assert 'opt_state/1/0/mu/params/decoder/layers/mlp/wi_0/kernel' in flat
+  assert 'opt_state/1/0/nu/params/token_embedder/embedding' in flat
+  assert flat['step'].dtype == jnp.int32
+
+
+def _with(flat, path, value):
+  out = dict(flat)
+  if value is None:
+    del out[path]
+  else:
+    out[path] = value
+  return out
+
+
+KERNEL = 'params/params/decoder/layers/mlp/wi_0/kernel'
+MU = 'opt_state/1/0/mu/params/decoder/logits_dense/kernel'
+
+
+@pytest.mark.parametrize('target', ['linen', 'nnx'])
+@pytest.mark.parametrize('case', ['missing', 'extra', 'shape', 'dtype', 'two problems'])
+def test_bad_input_raises_and_names_each_path(tiny_sides, states, target, case):
+  linen, nnx_side = tiny_sides
+  flat = linen.to_checkpoint(states[0])
+  kernel = flat[KERNEL]
+  if case == 'missing':
+    bad, expect = _with(flat, KERNEL, None), [f'decoder/layers/mlp/wi_0/kernel: missing']
+  elif case == 'extra':
+    bad = _with(flat, 'params/params/decoder/extra/kernel', kernel)
+    expect = ['decoder/extra/kernel: extra']
+  elif case == 'shape':
+    bad = _with(flat, KERNEL, kernel[:, :1])
+    expect = [f'decoder/layers/mlp/wi_0/kernel: shape: expected {list(kernel.shape)}, got {list(kernel[:, :1].shape)}']
+  elif case == 'dtype':
+    bad = _with(flat, KERNEL, kernel.astype(jnp.bfloat16))
+    expect = ['decoder/layers/mlp/wi_0/kernel: dtype: expected float32, got bfloat16']
+  else:
+    bad = _with(_with(flat, KERNEL, None), MU, flat[MU].T)
+    expect = ['decoder/layers/mlp/wi_0/kernel: missing', 'logits_dense/kernel: shape']
+  side = linen if target == 'linen' else nnx_side
+  with pytest.raises(TreeMismatchError) as info:
+    side.from_checkpoint(bad)
+  message = str(info.value)
+  for fragment in expect:
+    assert fragment in message, message
+  assert len(info.value.problems) == len(expect)
+
+
+def test_bad_step_is_refused(tiny_sides, states):
+  linen, nnx_side = tiny_sides
+  flat = linen.to_checkpoint(states[0])
+  for bad in (jnp.float32(3.0), jnp.arange(2), jnp.int64(-1) if jax.config.jax_enable_x64 else jnp.int32(-1)):
+    with pytest.raises(TreeMismatchError, match='step'):
+      nnx_side.from_checkpoint(_with(flat, 'step', bad))
+
+
+def test_layout_rule_moves_axis_and_name_together():
+  layout = Layout((AxisMove('decoder/layers/', 1, 0),))
+  x = jnp.arange(24).reshape(2, 3, 4)
+  moved = layout.array_to_nnx('decoder/layers/mlp/wi_0/kernel', x)
+  assert moved.shape == (3, 2, 4)
+  assert layout.names_to_nnx('decoder/layers/mlp/wi_0/kernel', ('embed', 'layers', 'mlp')) == (
+      'layers', 'embed', 'mlp')
+  assert_bitwise_equal(x, layout.array_to_linen('decoder/layers/x', moved))
+  assert layout.array_to_nnx('token_embedder/embedding', x) is x
