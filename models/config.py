@@ -147,3 +147,54 @@ def replace(cfg: Any, **changes: Any) -> Any:
   if unknown:
     raise TypeError(f'{type(cfg).__name__} has no field(s) {unknown}')
   return dataclasses.replace(cfg, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+  """A named set of changes to a preset's model and train configs."""
+
+  name: str
+  description: str
+  model_changes: tuple[tuple[str, Any], ...] = ()
+  train_changes: tuple[tuple[str, Any], ...] = ()
+
+  def apply(self, model_cfg: ModelConfig, train_cfg: TrainConfig) -> tuple[ModelConfig, TrainConfig]:
+    return (
+        replace(model_cfg, **dict(self.model_changes)),
+        replace(train_cfg, **dict(self.train_changes)),
+    )
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario('01_baseline', 'the preset as is'),
+    Scenario('02_unscanned', 'layers unrolled: decoder/layers_0/..., no layers axis',
+             (('scan_layers', False),)),
+    Scenario('03_dropout', 'dropout 0.1 on embedding, attention and MLP outputs (explicit keys)',
+             (('dropout_rate', 0.1),)),
+    Scenario('04_remat', 'full rematerialisation of each decoder layer',
+             (('remat_policy', 'full'),)),
+    Scenario('04_remat_save_dots', 'rematerialisation saving only non-batch dot products',
+             (('remat_policy', 'save_dots'),)),
+    Scenario('06_grad_accum', '4 microbatches in a scan, token-weighted, dropout 0.1',
+             (('dropout_rate', 0.1),), (('grad_accum_steps', 4),)),
+    Scenario('08_bf16_weights', 'bfloat16 weights (and so bfloat16 optimizer moments)',
+             (('weight_dtype', 'bfloat16'),)),
+    Scenario('09_tied_logits', 'logits through the embedding: no logits_dense',
+             (('logits_via_embedding', True),)),
+    Scenario('10_scan_axis0', 'NNX stacks layers on axis 0, Linen on axis 1',
+             (('nnx_param_scan_axis', 0),)),
+)}
+
+
+def get_scenario(name: str) -> Scenario:
+  try:
+    return SCENARIOS[name]
+  except KeyError:
+    raise KeyError(
+        f'unknown scenario {name!r}; expected one of {sorted(SCENARIOS)}'
+    ) from None
+
+
+def get_configs(preset: str, scenario: str = '01_baseline') -> tuple[ModelConfig, TrainConfig]:
+  """A preset with a scenario applied."""
+  return get_scenario(scenario).apply(*get_preset(preset))

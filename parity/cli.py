@@ -18,7 +18,7 @@ def _configs(args):
   from models import config
 
   try:
-    return config.get_preset(args.preset)
+    return config.get_configs(args.preset, args.scenario)
   except KeyError as e:
     raise BadInput(e.args[0]) from None
 
@@ -43,6 +43,7 @@ def cmd_specs(args) -> int:
   if args.format == 'json':
     print(json.dumps({
         'preset': args.preset,
+        'scenario': args.scenario,
         'mesh': args.mesh,
         'param_count': count,
         'equal': not drift,
@@ -52,7 +53,7 @@ def cmd_specs(args) -> int:
     }, indent=1))
   else:
     mesh = f', mesh {args.mesh}' if args.mesh else ''
-    print(f'preset {args.preset}{mesh}: {count:,} parameters (eval_shape, nothing allocated)')
+    print(f'preset {args.preset}, scenario {args.scenario}{mesh}: {count:,} parameters (eval_shape, nothing allocated)')
     for name, rows in (('Linen', linen_rows), ('NNX', nnx_rows)):
       print(f'\n{name}:')
       print(tables.format_table(rows), end='')
@@ -75,7 +76,8 @@ def cmd_compare(args) -> int:
     raise BadInput(f'--steps must be at least 1, got {args.steps}')
   train_cfg = config.replace(train_cfg, seed=args.seed)
   print(
-      f'parity compare: preset {args.preset}, {args.steps} steps, seed {args.seed};'
+      f'parity compare: preset {args.preset}, scenario {args.scenario}, {args.steps} steps,'
+      f' seed {args.seed};'
       f' {args.init} initialises, the bridge carries the state to the other side'
   )
   print(f"{'step':>4}  {'Linen loss':<22}{'NNX loss':<22}equal bits")
@@ -96,24 +98,38 @@ def cmd_compare(args) -> int:
   return 0 if result.bitwise_equal else 1
 
 
+def cmd_scenarios(args) -> int:
+  from models import config
+
+  del args
+  for scenario in config.SCENARIOS.values():
+    print(f'{scenario.name:<20} {scenario.description}')
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog='parity', description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest='command', required=True)
 
   specs = sub.add_parser('specs', help='parameter tables of both sides; exit 1 if they differ')
   specs.add_argument('--preset', default='default')
+  specs.add_argument('--scenario', default='01_baseline', help='see `parity scenarios`')
   specs.add_argument('--mesh', default=None, help='e.g. fsdp=8 or data=2,fsdp=2,tensor=2')
   specs.add_argument('--format', choices=('table', 'json'), default='table')
   specs.set_defaults(func=cmd_specs)
 
   compare = sub.add_parser('compare', help='train both sides side by side; exit 1 on divergence')
   compare.add_argument('--preset', default='tiny')
+  compare.add_argument('--scenario', default='01_baseline', help='see `parity scenarios`')
   compare.add_argument('--steps', type=int, default=10)
   compare.add_argument('--seed', type=int, default=0)
   compare.add_argument('--init', choices=('linen', 'nnx'), default='linen',
                        help='which side initialises (the other receives the state)')
   compare.add_argument('--json', default=None, metavar='FILE')
   compare.set_defaults(func=cmd_compare)
+
+  scenarios = sub.add_parser('scenarios', help='list the scenarios')
+  scenarios.set_defaults(func=cmd_scenarios)
   return parser
 
 

@@ -12,6 +12,7 @@ UPDATE_ENV = 'PARITY_UPDATE_GOLDEN'
 def check_golden(name: str, text: str) -> None:
   path = GOLDEN_DIR / name
   if os.environ.get(UPDATE_ENV) == '1':
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return
   if not path.exists():
