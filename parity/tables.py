@@ -1,7 +1,6 @@
 """Parameter tables of both sides (path, shape, dtype, logical, physical), via eval_shape only."""
 from __future__ import annotations
 
-import json
 from typing import Any, Mapping
 
 import flax.linen as nn

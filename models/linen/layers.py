@@ -6,7 +6,6 @@ through `nn.with_logical_partitioning`; activations through
 """
 from __future__ import annotations
 
-from typing import Sequence
 
 import flax.linen as nn
 import jax

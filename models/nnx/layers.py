@@ -7,7 +7,6 @@ activations through `logical_constraint` (a no-op outside a mesh).
 """
 from __future__ import annotations
 
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
