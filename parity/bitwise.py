@@ -50,7 +50,7 @@ def _bits_detail(a: np.ndarray, b: np.ndarray, bits_a: np.ndarray, bits_b: np.nd
   first = tuple(int(i) for i in np.argwhere(differ)[0]) if a.ndim else ()
   va, vb = a[first], b[first]
   parts = [f'{count} of {a.size} elements differ']
-  if np.issubdtype(a.dtype, np.inexact) or a.dtype.kind == 'V' or _is_ml_float(a.dtype):
+  if _is_float(a.dtype):
     fa, fb = a[differ].astype(np.float64), b[differ].astype(np.float64)
     with np.errstate(invalid='ignore'):
       absdiff = np.abs(fa - fb)
@@ -68,8 +68,9 @@ def _bits_detail(a: np.ndarray, b: np.ndarray, bits_a: np.ndarray, bits_b: np.nd
   return ', '.join(parts)
 
 
-def _is_ml_float(dtype: np.dtype) -> bool:
-  return dtype.kind == 'V' or 'float' in dtype.name
+def _is_float(dtype: np.dtype) -> bool:
+  """numpy floats and ml_dtypes floats (bfloat16, float8_*), which numpy does not call inexact."""
+  return np.issubdtype(dtype, np.inexact) or 'float' in dtype.name
 
 
 def compare_leaves(path: str, a: Any, b: Any) -> LeafDiff | None:

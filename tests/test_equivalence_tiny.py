@@ -3,17 +3,13 @@
 One side is initialised and its state carried to the other by the bridge, in
 both directions. Every comparison is bitwise (parity.bitwise), no tolerance.
 """
-import functools
-
 import pytest
 
 from models import data
 from parity.bitwise import assert_bitwise_equal
-from parity.runner import run_compare
 from parity.sides import as_jax_batch
 from bridge import train_state as bridge_state
-
-STEPS = 10
+from tests.runs import STEPS, tiny_run
 
 
 @pytest.fixture(scope='module')
@@ -44,15 +40,9 @@ def test_loss_and_gradients_bitwise(tiny_sides, start, tiny_batch, dropout_base)
   assert_bitwise_equal(linen_grads, nnx_grads_linen_tree, 'gradients')
 
 
-@functools.cache
-def _run(init_side):
-  from models.config import get_preset
-  return run_compare(*get_preset('tiny'), steps=STEPS, init_side=init_side)
-
-
 @pytest.mark.parametrize('init_side', ['linen', 'nnx'])
 def test_ten_steps_bitwise(init_side):
-  result = _run(init_side)
+  result = tiny_run('01_baseline', init_side)
   assert result.linen.loss_hex == result.nnx.loss_hex
   assert result.first_divergent_step is None
   assert result.state_diffs == [], '\n'.join(result.state_diffs)

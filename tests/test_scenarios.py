@@ -6,8 +6,6 @@ side-by-side comparison cannot. XLA's CPU code generation differs between jax
 minor versions, so there is one record per jax minor version; a version with
 no record fails and says how to create it.
 """
-import functools
-
 import jax
 import numpy as np
 import pytest
@@ -19,14 +17,8 @@ from parity import tables
 from parity.runner import run_compare
 from parity.sides import as_jax_batch, make_sides
 from tests.golden import check_golden
-
-STEPS = 10
+from tests.runs import tiny_run as _run
 JAX_MINOR = '.'.join(jax.__version__.split('.')[:2])
-
-
-@functools.cache
-def _run(scenario: str, init_side: str = 'linen'):
-  return run_compare(*get_configs('tiny', scenario), steps=STEPS, init_side=init_side)
 
 
 @pytest.mark.parametrize('scenario', sorted(SCENARIOS))
