@@ -100,8 +100,7 @@ def make_mesh(spec: str, devices: Sequence[jax.Device] | None = None) -> jax.sha
   """A mesh over all (or the given) devices with axes ('data', 'fsdp', 'tensor')."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = parse_mesh_spec(spec, len(devices))
-  shape = tuple(sizes[a] for a in MESH_AXES)
-  return jax.make_mesh(shape, MESH_AXES, devices=devices)
+  return compat.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, devices)
 
 
 def physical_spec(

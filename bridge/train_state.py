@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -50,15 +51,56 @@ def linen_to_checkpoint(linen_state: Any) -> dict[str, Any]:
 
 def nnx_to_checkpoint(nnx_state: Any, layout: Layout = IDENTITY) -> dict[str, Any]:
   """The flat checkpoint layout of the NNX state of `(model, optimizer)`."""
-  flat = paths.flatten(nnx_state)
+  return _nnx_to_checkpoint_layout(
+      paths.flatten(nnx_state),
+      on_param=layout.array_to_linen,
+      on_step=lambda x: _convert_step(x, LINEN_STEP_DTYPE),
+  )
+
+
+def linen_to_checkpoint_leaves(linen_tree: Any) -> dict[str, Any]:
+  """A TrainState-shaped tree of any leaves (e.g. shardings), keyed by checkpoint path."""
+  return paths.flatten(linen_tree)
+
+
+def nnx_to_checkpoint_leaves(nnx_tree: Any, layout: Layout = IDENTITY) -> dict[str, Any]:
+  """An NNX-state-shaped tree of NamedShardings, keyed by checkpoint path.
+
+  A layout rule moves a sharding's partition-spec entry with its array axis.
+  """
+  return _nnx_to_checkpoint_layout(
+      paths.flatten(nnx_tree),
+      on_param=lambda p, sharding: _sharding_to_linen(layout, p, sharding),
+      on_step=lambda sharding: sharding,
+  )
+
+
+def _sharding_to_linen(layout: Layout, path: str, sharding: Any) -> Any:
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding  # one device: nothing to move
+  spec = tuple(sharding.spec)
+  padded = spec + (None,) * (_MAX_RANK - len(spec))
+  moved = layout.names_to_linen(path, padded)
+  if moved == padded:
+    return sharding
+  keep = max(len(spec), max((i + 1 for i, e in enumerate(moved) if e is not None), default=0))
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*moved[:keep]))
+
+
+# Longer than any array here; partition specs are padded to it before an axis move.
+_MAX_RANK = 8
+
+
+def _nnx_to_checkpoint_layout(flat: Mapping[str, Any], on_param, on_step) -> dict[str, Any]:
+  """NNX `(model, optimizer)` paths -> checkpoint paths, with per-kind leaf maps."""
   param_paths = _param_paths(flat, '0/')
   out: dict[str, Any] = {}
   for path, x in flat.items():
     if path.startswith('0/'):
       p = path[2:]
-      out['params/params/' + p] = layout.array_to_linen(p, x)
+      out['params/params/' + p] = on_param(p, x)
     elif path == '1/step':
-      out['step'] = _convert_step(x, LINEN_STEP_DTYPE)
+      out['step'] = on_step(x)
     elif path.startswith('1/opt_state/'):
       rest = path[len('1/'):]
       p = _param_suffix(rest, param_paths)
@@ -66,7 +108,7 @@ def nnx_to_checkpoint(nnx_state: Any, layout: Layout = IDENTITY) -> dict[str, An
         out[rest] = x
       else:
         head = rest[: len(rest) - len(p)]
-        out[head + 'params/' + p] = layout.array_to_linen(p, x)
+        out[head + 'params/' + p] = on_param(p, x)
     else:
       raise TreeMismatchError(
           'NNX train state',
@@ -140,13 +182,19 @@ def _param_suffix(path: str, param_paths: Iterable[str]) -> str | None:
 
 
 def _convert_step(value: Any, dtype: Any) -> Any:
-  step = np.asarray(value)
-  if step.shape != () or not np.issubdtype(step.dtype, np.integer):
+  """The step counter in `dtype`, exactly; stays on its device (and sharding)."""
+  if not hasattr(value, 'shape'):
+    value = np.asarray(value)
+  if value.shape != () or not np.issubdtype(np.dtype(value.dtype), np.integer):
     raise TreeMismatchError(
-        'train state step', [Problem('step', 'dtype', 'an integer scalar', paths.describe(step))]
+        'train state step', [Problem('step', 'dtype', 'an integer scalar', paths.describe(value))]
     )
-  if not 0 <= int(step) <= np.iinfo(np.int32).max:
+  if isinstance(value, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((), dtype, sharding=value.sharding)
+  if not 0 <= int(value) <= np.iinfo(np.int32).max:
     raise TreeMismatchError(
-        'train state step', [Problem('step', 'value', '0 <= step < 2**31', str(int(step)))]
+        'train state step', [Problem('step', 'value', '0 <= step < 2**31', str(int(value)))]
     )
-  return jnp.asarray(step, dtype)
+  if isinstance(value, jax.Array):
+    return value.astype(dtype)
+  return jnp.asarray(value, dtype)

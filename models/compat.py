@@ -40,9 +40,24 @@ def mesh_is_active() -> bool:
 
 @contextlib.contextmanager
 def use_mesh(mesh: jax.sharding.Mesh) -> Iterator[jax.sharding.Mesh]:
-  """Makes `mesh` the context mesh for logical constraints and jit."""
-  with mesh:
+  """Makes `mesh` the context mesh for logical constraints and jit.
+
+  `jax.set_mesh` (not the deprecated `with mesh:`, which flax's constraint
+  helpers no longer see) on every supported jax.
+  """
+  with jax.set_mesh(mesh):
     yield mesh
+
+
+def make_mesh(
+    shape: Sequence[int], axis_names: Sequence[str], devices: Sequence[jax.Device]
+) -> jax.sharding.Mesh:
+  """A mesh whose axes are all `Auto`: shardings come from annotations and XLA's
+  propagation, as with GSPMD. Newer jax defaults to `Explicit` axes, which
+  reject logical sharding constraints on activations.
+  """
+  auto = (jax.sharding.AxisType.Auto,) * len(axis_names)
+  return jax.make_mesh(tuple(shape), tuple(axis_names), devices=devices, axis_types=auto)
 
 
 def key_value(key: Any) -> Any:

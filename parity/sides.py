@@ -3,12 +3,20 @@
 A side's state is what its step functions take: a Linen `TrainState`, or the
 pure NNX `State` of `(model, optimizer)` (its graphdef is fixed per side).
 States cross between sides only through the bridge's checkpoint layout.
+
+On a mesh, each side derives its state's shardings in its own framework's
+idiom (Linen: `nn.get_partition_spec` of the boxed abstract state; NNX:
+`nnx.get_partition_spec` of the abstract state's metadata), both resolved by
+the same rules; state is created directly in those shardings, every jitted
+function is traced under the mesh and the rules (so activation constraints
+apply), and train steps keep the state's shardings.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 import flax.linen as nn
 import jax
@@ -16,7 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bridge import layout as layout_lib
+from bridge import specs as specs_lib
 from bridge import train_state as bridge_state
+from models import compat
 from models.config import ModelConfig, TrainConfig
 from models.linen import train as linen_train
 from models.nnx import train as nnx_train
@@ -26,17 +36,71 @@ def as_jax_batch(batch: dict[str, Any]) -> dict[str, jax.Array]:
   return {k: jnp.asarray(v) for k, v in batch.items()}
 
 
+class _Placement:
+  """The mesh and rules a side runs under (none: one device, no constraints)."""
+
+  mesh: jax.sharding.Mesh | None
+  rules: specs_lib.Rules
+
+  @contextlib.contextmanager
+  def context(self) -> Iterator[None]:
+    """Mesh and logical-axis rules for tracing; nothing off a mesh."""
+    if self.mesh is None:
+      yield
+      return
+    with compat.use_mesh(self.mesh), nn.logical_axis_rules(list(self.rules)):
+      yield
+
+  def _shardings(self, logical_specs: Any) -> Any:
+    return nn.logical_to_mesh_sharding(logical_specs, self.mesh, list(self.rules))
+
+  def abstract_checkpoint(self) -> dict[str, jax.ShapeDtypeStruct]:
+    """`{checkpoint path: ShapeDtypeStruct}`, with this side's target sharding on a mesh."""
+    flat = self.to_checkpoint(self.template)
+    if self.mesh is None:
+      return {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in flat.items()}
+    shardings = self.checkpoint_shardings()
+    return {
+        p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[p]) for p, x in flat.items()
+    }
+
+  def place(self, state: Any) -> Any:
+    """`state` moved to this side's shardings (a no-op off a mesh)."""
+    if self.mesh is None:
+      return state
+    return jax.device_put(state, self.state_shardings)
+
+  def lower_train_step(self, state, batch, dropout_base) -> str:
+    """The lowered (StableHLO) text of this side's train step, as traced here."""
+    with self.context():
+      return self._train_step.lower(state, batch, dropout_base).as_text()
+
+  def train_step(self, state, batch, dropout_base):
+    with self.context():
+      return self._train_step(state, batch, dropout_base)
+
+
 @dataclasses.dataclass(frozen=True)
-class LinenSide:
+class LinenSide(_Placement):
   model_cfg: ModelConfig
   train_cfg: TrainConfig
+  mesh: jax.sharding.Mesh | None = None
+  rules: specs_lib.Rules = specs_lib.DEFAULT_RULES
   name: str = 'linen'
 
-  def init(self, seed: int) -> linen_train.TrainState:
-    variables = jax.jit(linen_train.init_variables, static_argnums=(0, 1, 2))(
-        self.model_cfg, self.train_cfg, seed
-    )
+  def _make_state(self, seed: int) -> linen_train.TrainState:
+    variables = linen_train.init_variables(self.model_cfg, self.train_cfg, seed)
     return linen_train.create_train_state(self.model_cfg, self.train_cfg, variables)
+
+  def init(self, seed: int) -> linen_train.TrainState:
+    """A fresh state, created in its target shardings on a mesh."""
+    treedef = jax.tree.structure(self.template)
+    shardings = None if self.mesh is None else jax.tree.leaves(self.state_shardings)
+    # Leaves, not the TrainState: its treedef holds `apply_fn`, which compares
+    # by identity, so the template's treedef is the one every state shares.
+    make_leaves = jax.jit(lambda: jax.tree.leaves(self._make_state(seed)), out_shardings=shardings)
+    with self.context():
+      return jax.tree.unflatten(treedef, make_leaves())
 
   @functools.cached_property
   def abstract_variables(self) -> Any:
@@ -51,34 +115,59 @@ class LinenSide:
         )
     )
 
-  def train_step(self, state, batch, dropout_base):
-    return linen_train.make_train_step(self.model_cfg, self.train_cfg)(state, batch, dropout_base)
+  @functools.cached_property
+  def state_shardings(self) -> Any:
+    """A TrainState of NamedShardings (same treedef as `template`); None off a mesh."""
+    if self.mesh is None:
+      return None
+    boxed = jax.eval_shape(
+        lambda: linen_train.create_train_state(
+            self.model_cfg, self.train_cfg, self.abstract_variables, unbox=False
+        )
+    )
+    leaves = jax.tree.leaves(self._shardings(nn.get_partition_spec(boxed)))
+    return jax.tree.unflatten(jax.tree.structure(self.template), leaves)
+
+  def checkpoint_shardings(self) -> dict[str, jax.sharding.NamedSharding]:
+    return bridge_state.linen_to_checkpoint_leaves(self.state_shardings)
+
+  @functools.cached_property
+  def _train_step(self):
+    step = linen_train.make_train_step(self.model_cfg, self.train_cfg)
+    if self.mesh is None:
+      return step
+    return jax.jit(step, out_shardings=(self.state_shardings, None))
 
   def eval_step(self, state, batch):
-    return linen_train.make_eval_step(self.model_cfg, self.train_cfg)(state.params, batch)
+    with self.context():
+      return linen_train.make_eval_step(self.model_cfg, self.train_cfg)(state.params, batch)
 
   def to_checkpoint(self, state) -> dict[str, Any]:
     return bridge_state.linen_to_checkpoint(state)
 
   def from_checkpoint(self, flat: dict[str, Any]) -> linen_train.TrainState:
-    return bridge_state.checkpoint_to_linen(flat, self.template)
+    return self.place(bridge_state.checkpoint_to_linen(flat, self.template))
 
   def params(self, state) -> Any:
     return state.params
 
   def forward(self, state, batch, dropout_key):
-    return _linen_forward(self.model_cfg, state.params, batch, dropout_key)
+    with self.context():
+      return _linen_forward(self.model_cfg, state.params, batch, dropout_key)
 
   def loss_and_grad(self, state, batch, dropout_key):
     """((loss_sum, (z_sum, tokens)), grads as Linen variables `{'params': ...}`)."""
     fn = linen_train.make_loss_and_grad(self.model_cfg, self.train_cfg)
-    return fn(state.params, batch, dropout_key)
+    with self.context():
+      return fn(state.params, batch, dropout_key)
 
 
 @dataclasses.dataclass(frozen=True)
-class NnxSide:
+class NnxSide(_Placement):
   model_cfg: ModelConfig
   train_cfg: TrainConfig
+  mesh: jax.sharding.Mesh | None = None
+  rules: specs_lib.Rules = specs_lib.DEFAULT_RULES
   name: str = 'nnx'
 
   @property
@@ -106,37 +195,54 @@ class NnxSide:
     """The Param state with metadata, as ShapeDtypeStructs (nothing allocated)."""
     return nnx.state(nnx.eval_shape(lambda: nnx_train.init_model(self.model_cfg, 0)), nnx.Param)
 
+  @functools.cached_property
+  def state_shardings(self) -> Any:
+    """An NNX State of NamedShardings shaped like `template`; None off a mesh."""
+    if self.mesh is None:
+      return None
+    return self._shardings(nnx.get_partition_spec(self.template))
+
+  def checkpoint_shardings(self) -> dict[str, jax.sharding.NamedSharding]:
+    return bridge_state.nnx_to_checkpoint_leaves(self.state_shardings, self.layout)
+
   def init(self, seed: int) -> nnx.State:
-    @jax.jit
-    def init_state():
-      return nnx.state(self._pair(seed))
+    """A fresh state, created in its target shardings on a mesh."""
+    make_state = jax.jit(lambda: nnx.state(self._pair(seed)), out_shardings=self.state_shardings)
+    with self.context():
+      return make_state()
 
-    return init_state()
-
-  def train_step(self, state, batch, dropout_base):
-    step = nnx_train.make_train_step(self.model_cfg, self.train_cfg)
-    return step(self.graphdef, state, batch, dropout_base)
+  @functools.cached_property
+  def _train_step(self):
+    step = functools.partial(
+        nnx_train.make_train_step(self.model_cfg, self.train_cfg), self.graphdef
+    )
+    if self.mesh is None:
+      return step
+    return jax.jit(step, out_shardings=(self.state_shardings, None))
 
   def eval_step(self, state, batch):
-    return nnx_train.make_eval_step(self.model_cfg, self.train_cfg)(self.graphdef, state, batch)
+    with self.context():
+      return nnx_train.make_eval_step(self.model_cfg, self.train_cfg)(self.graphdef, state, batch)
 
   def to_checkpoint(self, state) -> dict[str, Any]:
     return bridge_state.nnx_to_checkpoint(state, self.layout)
 
   def from_checkpoint(self, flat: dict[str, Any]) -> nnx.State:
-    return bridge_state.checkpoint_to_nnx(flat, self.template, self.layout)
+    return self.place(bridge_state.checkpoint_to_nnx(flat, self.template, self.layout))
 
   def params(self, state) -> Any:
     model, _ = nnx.merge(self.graphdef, state)
     return nnx.state(model, nnx.Param)
 
   def forward(self, state, batch, dropout_key):
-    return _nnx_forward(self.graphdef, state, batch, dropout_key)
+    with self.context():
+      return _nnx_forward(self.graphdef, state, batch, dropout_key)
 
   def loss_and_grad(self, state, batch, dropout_key):
     """((loss_sum, (z_sum, tokens)), grads as an NNX Param state)."""
     fn = nnx_train.make_loss_and_grad(self.model_cfg, self.train_cfg)
-    return fn(self.graphdef, state, batch, dropout_key)
+    with self.context():
+      return fn(self.graphdef, state, batch, dropout_key)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -150,5 +256,14 @@ def _nnx_forward(graphdef, state, batch, dropout_key):
   return nnx_train._forward(model, batch, dropout_key)
 
 
-def make_sides(model_cfg: ModelConfig, train_cfg: TrainConfig) -> tuple[LinenSide, NnxSide]:
-  return LinenSide(model_cfg, train_cfg), NnxSide(model_cfg, train_cfg)
+def make_sides(
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: specs_lib.Rules = specs_lib.DEFAULT_RULES,
+) -> tuple[LinenSide, NnxSide]:
+  """Both sides of one config, on one device (`mesh=None`) or on `mesh` under `rules`."""
+  return (
+      LinenSide(model_cfg, train_cfg, mesh, tuple(rules)),
+      NnxSide(model_cfg, train_cfg, mesh, tuple(rules)),
+  )

@@ -1,12 +1,96 @@
-"""Side-by-side runs shared by test modules: each (scenario, init side) runs once per process."""
-import functools
+"""Runs shared by test modules: each is computed once per process (and cached).
 
-from models.config import get_configs
+`tiny_run` is the side-by-side runner's 10-step comparison on one device.
+`mesh_run` trains both sides on a mesh of the 8 CPU devices (or any mesh)
+from one state, keeping everything the mesh tests look at: per-step losses,
+the final state in the checkpoint layout, each state leaf's actual sharding,
+and the sharding annotations of both lowered train steps.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+
+from bridge import specs
+from bridge import train_state as bridge_state
+from models import data, rng
+from models.config import ModelConfig, TrainConfig, get_configs
+from parity.programs import sharding_annotations
 from parity.runner import CompareResult, run_compare
+from parity.sides import as_jax_batch, make_sides
 
 STEPS = 10
+MESH_STEPS = 3
 
 
 @functools.cache
 def tiny_run(scenario: str = '01_baseline', init_side: str = 'linen') -> CompareResult:
   return run_compare(*get_configs('tiny', scenario), steps=STEPS, init_side=init_side)
+
+
+@dataclasses.dataclass
+class SideOnMesh:
+  losses: list[jax.Array]
+  final: dict[str, jax.Array]  # checkpoint layout
+  shardings: dict[str, jax.sharding.Sharding]  # actual, after training; checkpoint layout
+  targets: dict[str, jax.sharding.Sharding]  # what the side asked for
+  annotations: collections.Counter
+
+
+@dataclasses.dataclass
+class MeshRun:
+  linen: SideOnMesh
+  nnx: SideOnMesh
+
+
+def train_on_mesh(
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    mesh: jax.sharding.Mesh | None,
+    rules: specs.Rules = specs.DEFAULT_RULES,
+    steps: int = MESH_STEPS,
+) -> MeshRun:
+  """Linen initialises; NNX starts from the same state; both train `steps` steps."""
+  linen, nnx_side = make_sides(model_cfg, train_cfg, mesh, rules)
+  linen_state = linen.init(0)
+  nnx_state = nnx_side.from_checkpoint(linen.to_checkpoint(linen_state))
+  base = rng.base_key(0)
+  batches = [as_jax_batch(data.make_batch(model_cfg, train_cfg, s)) for s in range(steps)]
+  annotations = (
+      sharding_annotations(linen.lower_train_step(linen_state, batches[0], base)),
+      sharding_annotations(nnx_side.lower_train_step(nnx_state, batches[0], base)),
+  )
+  losses = ([], [])
+  for batch in batches:
+    linen_state, linen_metrics = linen.train_step(linen_state, batch, base)
+    nnx_state, nnx_metrics = nnx_side.train_step(nnx_state, batch, base)
+    losses[0].append(linen_metrics['loss'])
+    losses[1].append(nnx_metrics['loss'])
+  of_leaf = lambda x: x.sharding
+  return MeshRun(
+      linen=SideOnMesh(
+          losses[0],
+          linen.to_checkpoint(linen_state),
+          bridge_state.linen_to_checkpoint_leaves(jax.tree.map(of_leaf, linen_state)),
+          linen.checkpoint_shardings() if mesh is not None else {},
+          annotations[0],
+      ),
+      nnx=SideOnMesh(
+          losses[1],
+          nnx_side.to_checkpoint(nnx_state),
+          bridge_state.nnx_to_checkpoint_leaves(jax.tree.map(of_leaf, nnx_state), nnx_side.layout),
+          nnx_side.checkpoint_shardings() if mesh is not None else {},
+          annotations[1],
+      ),
+  )
+
+
+@functools.cache
+def mesh_run(scenario: str, mesh_spec: str | None) -> MeshRun:
+  """`scenario` on the tiny preset, on `mesh_spec` ('fsdp=8', ...) or one device (None)."""
+  mesh = None if mesh_spec is None else specs.make_mesh(mesh_spec)
+  return train_on_mesh(*get_configs('tiny', scenario), mesh)

@@ -52,15 +52,20 @@ def init_variables(model_cfg: ModelConfig, train_cfg: TrainConfig, seed: int):
   )
 
 
-def create_train_state(model_cfg: ModelConfig, train_cfg: TrainConfig, variables) -> TrainState:
-  """A TrainState over the unboxed variables dict (`{'params': ...}`).
+def create_train_state(
+    model_cfg: ModelConfig, train_cfg: TrainConfig, variables, *, unbox: bool = True
+) -> TrainState:
+  """A TrainState over the variables dict (`{'params': ...}`), unboxed by default.
 
+  With `unbox=False` (under `jax.eval_shape`) the optimizer state inherits
+  the parameters' logical-axis boxes, so `nn.get_partition_spec` gives the
+  whole state's specs: the usual way to derive a Linen state's shardings.
   The step is an int32 array from the start (not a Python int), so the
   state's tree and the checkpoint layout do not change after the first step.
   """
   state = TrainState.create(
       apply_fn=Transformer(model_cfg).apply,
-      params=nn.unbox(variables),
+      params=nn.unbox(variables) if unbox else variables,
       tx=make_optimizer(train_cfg),
   )
   return state.replace(step=jnp.zeros((), jnp.int32))
