@@ -13,10 +13,21 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n auto
+	$(VENV)/bin/python -m pytest -n auto --tpu-on-cpu
 
 report: $(STAMP)
 	$(VENV)/bin/parity compare
+
+# The migration guide in Jupyter (the `notebook` extra on top of the test set-up).
+.PHONY: notebook
+NOTEBOOK_STAMP := $(VENV)/.installed-notebook
+
+$(NOTEBOOK_STAMP): $(STAMP)
+	$(VENV)/bin/python -m pip install --quiet -e '.[test,notebook]'
+	touch $(NOTEBOOK_STAMP)
+
+notebook: $(NOTEBOOK_STAMP)
+	$(VENV)/bin/jupyter notebook notebooks/migration_guide.ipynb
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -147,3 +147,54 @@ def check_no_drift(linen: Mapping[str, Any], nnx_specs: Mapping[str, Any], what:
   problems = spec_drift(linen, nnx_specs, what)
   if problems:
     raise TreeMismatchError(f'{what} specs differ between Linen and NNX', problems)
+
+
+def describe_sharding(sharding: Any) -> str:
+  """A NamedSharding as `P('fsdp', None) on data=2,fsdp=2,tensor=2`; others by repr.
+
+  Trailing unsharded dimensions are spelled out (`P()` and `P(None)` mean the
+  same placement but print differently), so the shape's rank is in the text.
+  """
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return repr(sharding)
+  mesh = ','.join(f'{name}={size}' for name, size in sharding.mesh.shape.items())
+  entries = ', '.join(repr(e) if e is not None else 'None' for e in sharding.spec)
+  return f'P({entries}) on {mesh}'
+
+
+def _normalised_entries(sharding: Any, ndim: int) -> Any:
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+  axes = tuple((e,) if isinstance(e, str) else tuple(e or ()) for e in spec)
+  return (tuple(sharding.mesh.shape.items()), sharding.mesh.devices.tolist(), axes)
+
+
+def sharding_drift(
+    linen: Mapping[str, Any], nnx_shardings: Mapping[str, Any], ndims: Mapping[str, int]
+) -> list[Problem]:
+  """Every path whose sharding (mesh, devices, partition spec) differs between the sides.
+
+  `ndims` gives each path's rank, so `P('fsdp')` and `P('fsdp', None)` of a
+  2-D array compare equal (they place the array identically).
+  """
+  problems = []
+  for path in sorted(set(linen) | set(nnx_shardings)):
+    a, b = linen.get(path), nnx_shardings.get(path)
+    ndim = ndims.get(path, 0)
+    if a is None or b is None or _normalised_entries(a, ndim) != _normalised_entries(b, ndim):
+      problems.append(Problem(
+          path, 'sharding',
+          f'{describe_sharding(a) if a is not None else None} (Linen)',
+          f'{describe_sharding(b) if b is not None else None} (NNX)',
+      ))
+  return problems
+
+
+def check_same_shardings(
+    linen: Mapping[str, Any], nnx_shardings: Mapping[str, Any], ndims: Mapping[str, int]
+) -> None:
+  """Raises TreeMismatchError naming every path whose sharding differs, with both values."""
+  problems = sharding_drift(linen, nnx_shardings, ndims)
+  if problems:
+    raise TreeMismatchError('shardings differ between Linen and NNX', problems)

@@ -2,9 +2,12 @@
 
 The checkpoint layout is the Linen one: a flat `{path: array}` with
 `step`, `params/params/<param path>` and `opt_state/<...>/params/<param path>`
-for every optimizer leaf that mirrors a parameter (Adam mu and nu). On the
-NNX side the same leaves live at `0/<param path>` (the model) and
-`1/step`, `1/opt_state/<...>/<param path>` (the optimizer) of the state of
+for every optimizer leaf that mirrors a parameter (Adam mu and nu), and with
+fp8 `fp8_meta/<path>` for each scale and amax history (the Linen TrainState's
+`fp8_meta` field, flax's `_overwrite_with_gradient` collection). On the
+NNX side the same leaves live at `0/<param path>` (the model's `nnx.Param`s),
+`0/<path>` (its `Fp8Meta` variables) and `1/step`,
+`1/opt_state/<...>/<param path>` (the optimizer) of the state of
 `(model, optimizer)`.
 
 Every function is pure and strict: a template gives the target structure,
@@ -20,13 +23,17 @@ from typing import Any, Iterable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from bridge import paths
 from bridge.errors import Problem, TreeMismatchError
 from bridge.layout import IDENTITY, Layout
+from models.nnx.layers import Fp8Meta
 
 LINEN_STEP_DTYPE = np.int32
 NNX_STEP_DTYPE = np.uint32
+# Checkpoint prefix of the fp8 scaling state (the Linen TrainState field).
+FP8_PREFIX = 'fp8_meta/'
 
 
 def linen_params_to_nnx(linen_variables: Any, nnx_params: Any, layout: Layout = IDENTITY) -> Any:
@@ -53,6 +60,7 @@ def nnx_to_checkpoint(nnx_state: Any, layout: Layout = IDENTITY) -> dict[str, An
   """The flat checkpoint layout of the NNX state of `(model, optimizer)`."""
   return _nnx_to_checkpoint_layout(
       paths.flatten(nnx_state),
+      _fp8_paths(nnx_state),
       on_param=layout.array_to_linen,
       on_step=lambda x: _convert_step(x, LINEN_STEP_DTYPE),
   )
@@ -70,6 +78,7 @@ def nnx_to_checkpoint_leaves(nnx_tree: Any, layout: Layout = IDENTITY) -> dict[s
   """
   return _nnx_to_checkpoint_layout(
       paths.flatten(nnx_tree),
+      _fp8_paths(nnx_tree),
       on_param=lambda p, sharding: _sharding_to_linen(layout, p, sharding),
       on_step=lambda sharding: sharding,
   )
@@ -91,12 +100,29 @@ def _sharding_to_linen(layout: Layout, path: str, sharding: Any) -> Any:
 _MAX_RANK = 8
 
 
-def _nnx_to_checkpoint_layout(flat: Mapping[str, Any], on_param, on_step) -> dict[str, Any]:
-  """NNX `(model, optimizer)` paths -> checkpoint paths, with per-kind leaf maps."""
-  param_paths = _param_paths(flat, '0/')
+def _fp8_paths(nnx_tree: Any) -> set[str]:
+  """Paths of the `Fp8Meta` variables of an NNX state (or a tree shaped like one)."""
+  return {
+      p for p, leaf in paths.items(nnx_tree, lambda x: isinstance(x, nnx.Variable))
+      if isinstance(leaf, Fp8Meta)
+  }
+
+
+def _nnx_to_checkpoint_layout(
+    flat: Mapping[str, Any], fp8_paths: set[str], on_param, on_step
+) -> dict[str, Any]:
+  """NNX `(model, optimizer)` paths -> checkpoint paths, with per-kind leaf maps.
+
+  Model leaves in `fp8_paths` are fp8 scaling state, the others parameters;
+  both move with the layout (the scaling state is stacked like the layers).
+  """
+  param_paths = _param_paths(flat, '0/') - {p[2:] for p in fp8_paths}
   out: dict[str, Any] = {}
   for path, x in flat.items():
-    if path.startswith('0/'):
+    if path in fp8_paths:
+      p = path[2:]
+      out[FP8_PREFIX + p] = on_param(p, x)
+    elif path.startswith('0/'):
       p = path[2:]
       out['params/params/' + p] = on_param(p, x)
     elif path == '1/step':
@@ -133,8 +159,8 @@ def checkpoint_to_nnx(flat: Mapping[str, Any], nnx_state: Any, layout: Layout = 
   param_paths = _param_paths(paths.flatten(nnx_state), '0/')
   out: dict[str, Any] = {}
   for path, x in flat.items():
-    if path.startswith('params/params/'):
-      p = path[len('params/params/'):]
+    if path.startswith('params/params/') or path.startswith(FP8_PREFIX):
+      p = path[len('params/params/'):] if path.startswith('params/') else path[len(FP8_PREFIX):]
       out['0/' + p] = layout.array_to_nnx(p, x)
     elif path == 'step':
       out['1/step'] = _convert_step(x, NNX_STEP_DTYPE)

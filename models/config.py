@@ -34,6 +34,11 @@ class ModelConfig:
   dropout_rate: float = 0.0
   # 'none', 'full' or 'save_dots' (see models/linen/decoder.py REMAT_POLICIES).
   remat_policy: str = 'none'
+  # 'fp8': every DenseGeneral contracts in fp8 (e4m3 forward, e5m2 gradients)
+  # with delayed scaling. Its scales and amax histories are state that each
+  # step overwrites with its "gradient"; the optimizer never touches them.
+  quantization: str = 'none'
+  fp8_amax_history_length: int = 16
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -47,6 +52,10 @@ class ModelConfig:
       raise ValueError(
           f'remat_policy must be one of {REMAT_POLICIES}, got'
           f' {self.remat_policy!r}'
+      )
+    if self.quantization not in QUANTIZATIONS:
+      raise ValueError(
+          f'quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}'
       )
 
   @property
@@ -68,6 +77,7 @@ class ModelConfig:
 
 
 REMAT_POLICIES = ('none', 'full', 'save_dots')
+QUANTIZATIONS = ('none', 'fp8')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +99,10 @@ class TrainConfig:
   max_grad_norm: float = 1.0
   z_loss_weight: float = 1e-4
   grad_accum_steps: int = 1
+  # After every `eval_every` train steps, evaluate on `eval_batches` held-out
+  # batches (data split 'eval'); 0: never.
+  eval_every: int = 0
+  eval_batches: int = 2
 
   def __post_init__(self):
     if self.batch_size % self.grad_accum_steps:
@@ -126,6 +140,21 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
             mlp_dim=1024,
         ),
         TrainConfig(batch_size=8, seq_len=256),
+    ),
+    # The `tpu` test tier on a TPU host: 443,073,536 parameters in bfloat16
+    # (weights and Adam moments); batch 32 splits over up to 32 chips.
+    'tpu': (
+        ModelConfig(
+            vocab_size=32000,
+            emb_dim=1024,
+            num_layers=24,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=64,
+            mlp_dim=4096,
+            weight_dtype='bfloat16',
+        ),
+        TrainConfig(batch_size=32, seq_len=1024),
     ),
 }
 
@@ -175,8 +204,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              (('remat_policy', 'full'),)),
     Scenario('04_remat_save_dots', 'rematerialisation saving only non-batch dot products',
              (('remat_policy', 'save_dots'),)),
+    Scenario('05_fp8', 'fp8 dot products (e4m3 forward, e5m2 gradients), delayed scaling',
+             (('quantization', 'fp8'),)),
     Scenario('06_grad_accum', '4 microbatches in a scan, token-weighted, dropout 0.1',
              (('dropout_rate', 0.1),), (('grad_accum_steps', 4),)),
+    Scenario('07_eval', 'train with dropout 0.1; every 2 steps eval (dropout off) on 2 held-out batches',
+             (('dropout_rate', 0.1),), (('eval_every', 2), ('eval_batches', 2))),
     Scenario('08_bf16_weights', 'bfloat16 weights (and so bfloat16 optimizer moments)',
              (('weight_dtype', 'bfloat16'),)),
     Scenario('09_tied_logits', 'logits through the embedding: no logits_dense',

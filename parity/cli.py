@@ -67,34 +67,72 @@ def cmd_specs(args) -> int:
   return 1 if drift else 0
 
 
+def _mesh(spec: str | None):
+  """The mesh of a `--mesh` spec over all devices; a spec that does not fit is bad input."""
+  if not spec:
+    return None
+  from bridge import specs
+
+  try:
+    return specs.make_mesh(spec)
+  except ValueError as e:
+    import jax
+
+    hint = ''
+    if 'devices' in str(e) and jax.default_backend() == 'cpu':
+      hint = ' (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)'
+    raise BadInput(f'{e}{hint}') from None
+
+
+def _check_output(path: str | None, option: str) -> None:
+  """Fails before the run, not after it, when an output file cannot be written."""
+  import os
+
+  if path is None:
+    return
+  parent = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(parent):
+    raise BadInput(f'{option} {path}: directory {parent} does not exist')
+
+
 def cmd_compare(args) -> int:
   from models import config
+  from parity import report as report_lib
   from parity import runner
 
   model_cfg, train_cfg = _configs(args)
   if args.steps < 1:
     raise BadInput(f'--steps must be at least 1, got {args.steps}')
+  if args.checkpoint_every < 0:
+    raise BadInput(f'--checkpoint-every must be 0 (no saves) or more, got {args.checkpoint_every}')
+  for path, option in ((args.json, '--json'), (args.markdown, '--markdown'), (args.plot, '--plot')):
+    _check_output(path, option)
+  if args.plot:
+    try:
+      import matplotlib  # noqa: F401
+    except ImportError:
+      raise BadInput(
+          "--plot needs matplotlib: pip install 'linen-nnx-parity[report]'"
+      ) from None
+  mesh = _mesh(args.mesh)
   train_cfg = config.replace(train_cfg, seed=args.seed)
-  print(
-      f'parity compare: preset {args.preset}, scenario {args.scenario}, {args.steps} steps,'
-      f' seed {args.seed};'
-      f' {args.init} initialises, the bridge carries the state to the other side'
-  )
-  print(f"{'step':>4}  {'Linen loss':<22}{'NNX loss':<22}equal bits")
 
-  def on_step(step, linen_loss, nnx_loss):
-    same = runner.loss_hex(linen_loss) == runner.loss_hex(nnx_loss)
-    print(f'{step:>4}  {linen_loss:<22.17g}{nnx_loss:<22.17g}{"yes" if same else "NO"}', flush=True)
-
+  progress = report_lib.Progress(args.steps)
   result = runner.run_compare(
-      model_cfg, train_cfg, args.steps, seed=args.seed, init_side=args.init, on_step=on_step
+      model_cfg, train_cfg, args.steps, seed=args.seed, init_side=args.init,
+      on_step=progress.step, on_phase=progress.phase, mesh=mesh,
+      checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
   )
+  report = report_lib.Report(result, args.preset, args.scenario, args.mesh)
+  print(report.text(), end='')
   for diff in result.state_diffs[:20]:
     print(f'  final state: {diff}')
-  print(f'verdict: {result.verdict()}')
   if args.json:
-    with open(args.json, 'w') as f:
-      json.dump(result.to_json(), f, indent=1)
+    report.write_json(args.json)
+  if args.markdown:
+    report.write_markdown(args.markdown)
+  if args.plot:
+    report.plot(args.plot)
   return 0 if result.bitwise_equal else 1
 
 
@@ -118,16 +156,31 @@ def build_parser() -> argparse.ArgumentParser:
   specs.add_argument('--format', choices=('table', 'json'), default='table')
   specs.set_defaults(func=cmd_specs)
 
-  compare = sub.add_parser('compare', help='train both sides side by side; exit 1 on divergence')
+  compare = sub.add_parser(
+      'compare',
+      help='train both sides side by side and report; exit 0 bit-identical, 1 divergent',
+  )
   compare.add_argument('--preset', default='tiny')
   compare.add_argument('--scenario', default='01_baseline', help='see `parity scenarios`')
+  compare.add_argument('--mesh', default=None,
+                       help='e.g. fsdp=8 or data=2,fsdp=2,tensor=2 (default: one device)')
   compare.add_argument('--steps', type=int, default=10)
   compare.add_argument('--seed', type=int, default=0)
   compare.add_argument('--init', choices=('linen', 'nnx'), default='linen',
                        help='which side initialises (the other receives the state)')
-  compare.add_argument('--json', default=None, metavar='FILE')
+  compare.add_argument('--checkpoint-every', type=int, default=0, metavar='N',
+                       help='save both states with Orbax every N steps, timed apart (0: never)')
+  compare.add_argument('--checkpoint-dir', default=None, metavar='DIR',
+                       help='where --checkpoint-every saves (default: a temporary directory)')
+  compare.add_argument('--json', default=None, metavar='FILE', help='everything, machine-readable')
+  compare.add_argument('--markdown', default=None, metavar='FILE',
+                       help='both tables as Markdown (a pull-request comment)')
+  compare.add_argument('--plot', default=None, metavar='FILE.png',
+                       help='loss curves, their difference and step times (matplotlib)')
   compare.set_defaults(func=cmd_compare)
 
+  from parity.convert import add_convert_parser
+  add_convert_parser(sub)
   scenarios = sub.add_parser('scenarios', help='list the scenarios')
   scenarios.set_defaults(func=cmd_scenarios)
   return parser
@@ -143,4 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  # Run as `python -m parity.cli`, this file is `__main__`; go through the
+  # imported module so `BadInput` raised by other modules is the one caught.
+  from parity import cli as _cli
+
+  sys.exit(_cli.main())

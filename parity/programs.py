@@ -3,10 +3,12 @@
 Two lowered programs can spell one computation differently: SSA value names,
 private function names (`@_where_41` vs `@_where_40`: jax numbers them as it
 traces), debug locations, the `jax.result_info` labels of the pytree paths,
-and the order in which the pytree flattening lays out arguments and results
-(a Linen `TrainState` flattens `step` first, an NNX state last). None of that
-is the computation, so `canonicalize` removes all of it; what is left differs
-only where the computation does, and `diff` shows where.
+the order in which the pytree flattening lays out arguments and results
+(a Linen `TrainState` flattens `step` first, an NNX state last), the order in
+which independent operations were traced, operations nothing uses, and
+constants repeated per use. None of that is the computation, so
+`canonicalize` removes all of it (it reads the program as a dataflow graph);
+what is left differs only where the computation does, and `diff` shows where.
 
 `sharding_annotations` reads the sharding attributes of a lowered program
 (GSPMD `mhlo.sharding` and Shardy `sdy.sharding` spellings), so tests can
@@ -17,7 +19,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import difflib
+import hashlib
+import heapq
 import re
+from typing import Any
 
 # ---------------------------------------------------------------------------
 # Canonical form
@@ -148,125 +153,516 @@ def _parse_functions(text: str) -> list[_Function | str]:
   return items
 
 
-def _rename_values(fn: _Function) -> _Function:
-  """Names values `%vN` by first appearance; orders arguments by first use.
 
-  Ordering arguments by first use (and results by the order their values are
-  defined) makes the canonical form independent of how a pytree happened to
-  be flattened, so two sides whose states flatten differently still compare
-  equal when they compute the same thing.
+# ---------------------------------------------------------------------------
+# Canonical form: each program as a dataflow graph
+# ---------------------------------------------------------------------------
+#
+# Every value is named by a hash of what computes it: its operation, types,
+# attributes and the names of its operands (so, recursively, the whole
+# computation it depends on). Then:
+#   - the order in which jax emitted independent operations does not matter
+#     (each block is printed in a topological order that sorts ready
+#     operations by name);
+#   - dead code goes (an operation nothing live uses; XLA removes it too);
+#   - two identical operations are one (jax repeats constants per use), and
+#     `transpose(transpose(x))` that restores x is x (NNX's scan transposes
+#     the stacked layer variables to the scan axis and back);
+#   - a private function is read per call, its arguments named by what the
+#     caller passes, its results in the order of their names, and named by
+#     the hash of that reading: the order in which jax collected a function's
+#     arguments and results (e.g. the residuals a layer saves for the
+#     backward pass) does not matter, nor do function names;
+#   - a while loop's carried values are put in an order of their own (by
+#     type, initial value and what the body returns for them), for the same
+#     reason;
+#   - @main's arguments are numbered by first use (looking into calls), its
+#     results sorted by name: the pytree order of each side's state does not
+#     matter.
+# Two programs whose canonical forms are equal compute the same dataflow
+# graph, operation for operation, type for type, attribute for attribute,
+# sharding for sharding. A real difference changes the name of the value it
+# defines and of every value that depends on it, so the diff shows the
+# difference and what it feeds, not a renumbering of everything after it.
+
+_TOKEN_HEX = 16
+_VALUE_TOKEN = re.compile(r'%v[0-9a-f]{' + str(_TOKEN_HEX) + '}')
+_FUNC_TOKEN = re.compile(r'@f[0-9a-f]{' + str(_TOKEN_HEX) + '}')
+_LHS = re.compile(r'^(%[\w$.-]+(?::\d+)?(?:\s*,\s*%[\w$.-]+(?::\d+)?)*)\s*=\s')
+_STATEMENT_START = re.compile(r'^(%|"?[a-z_]+\.[\w.]+|return\b|call\b)')
+_STRUCTURE = ('^', '}', 'cond', 'reducer')
+_TERMINATORS = re.compile(r'^(return|func\.return|stablehlo\.return|"stablehlo\.return")\b')
+_PLACEHOLDER = '%_'
+_TRANSPOSE = re.compile(r'^%_ = stablehlo\.transpose (%[\w$.-]+), dims = \[([\d, ]+)\]')
+_INDENT = '  '
+
+
+def _hash(text: str) -> str:
+  return hashlib.sha256(text.encode()).hexdigest()[:_TOKEN_HEX]
+
+
+def _indent_of(line: str) -> int:
+  return len(line) - len(line.lstrip(' '))
+
+
+def _split_statements(lines: list[str]) -> list[list[str]]:
+  """A block's lines grouped into statements: an operation with its regions."""
+  lines = [l for l in lines if l.strip()]
+  if not lines:
+    return []
+  base = _indent_of(lines[0])
+  statements: list[list[str]] = []
+  for line in lines:
+    if not statements or (_indent_of(line) <= base and _STATEMENT_START.match(line.strip())):
+      statements.append([line])
+    else:
+      statements[-1].append(line)
+  return statements
+
+
+@dataclasses.dataclass
+class _Statement:
+  lines: list[str]  # canonical, LHS as placeholder, relative indentation
+  defs: list[tuple[str, str]]  # (SSA name, token)
+  refs: set[str]  # SSA names used anywhere in it (regions included)
+  token: str  # hash of `lines`
+  terminator: bool
+  side_effect: bool
+  # `%name#k` -> `%token#j` where results are put in a canonical order.
+  aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+# A reference to a value, or to one result of a multi-result operation.
+_REF = re.compile(r'(%[A-Za-z_][\w$.-]*|%\d+)(#\d+)?')
+_WHILE = re.compile(r'^(%_(?::\d+)?) = stablehlo\.while\((.*)\) : (.*)$')
+_CALL_OPERANDS = re.compile(r'\bcall (@[\w$.-]+)\(([^()]*)\)')
+_CALL_LINE = re.compile(
+    r'^(%_(?::\d+)? = )?((?:func\.)?call) (@[\w$.-]+)\(([^()]*)\) : \(([^()]*)\) -> (.*)$'
+)
+_RETURN = re.compile(r'^((?:func\.)?return|stablehlo\.return)\s+(.*?)\s*:\s*(.*)$')
+
+
+def _substitute(text: str, scope: dict[str, str]) -> str:
+  def one(m: re.Match) -> str:
+    if m.group(0) in scope:
+      return scope[m.group(0)]
+    return scope.get(m.group(1), m.group(1)) + (m.group(2) or '')
+
+  return _REF.sub(one, text)
+
+
+def _permute_return(line: str, order: list[int]) -> str | None:
+  """A `return a, b : ta, tb` line with operands and types in `order`."""
+  m = _RETURN.match(line.strip())
+  if not m:
+    return None
+  keyword, operands, types = m.group(1), _split_top_level(m.group(2)), _split_top_level(m.group(3))
+  if not len(operands) == len(types) == len(order):
+    return None
+  indent = line[:_indent_of(line)]
+  return (f'{indent}{keyword} {", ".join(operands[i] for i in order)}'
+          f' : {", ".join(types[i] for i in order)}')
+
+
+def _return_operands(line: str) -> list[str] | None:
+  m = _RETURN.match(line.strip())
+  return _split_top_level(m.group(2)) if m else None
+
+
+def _canonical_indices(keys: list[str]) -> tuple[list[int], dict[int, int]]:
+  """The order sorting `keys`, and each old index's new one (equal keys: the first)."""
+  order = sorted(range(len(keys)), key=lambda i: (keys[i], i))
+  first: dict[str, int] = {}
+  for new, old in enumerate(order):
+    first.setdefault(keys[old], new)
+  return order, {old: first[keys[old]] for old in range(len(keys))}
+
+
+class _Canonicalizer:
+  """Canonical forms of one module's functions (memoised by name)."""
+
+  def __init__(self, functions: dict[str, _Function]):
+    self._functions = functions
+    self._rendered: dict[str, list[str]] = {}  # canonical function name -> lines
+    # (function, operand names, depth) -> (name, argument order, result order)
+    self._instances: dict[tuple, tuple[str, list[int], Any]] = {}
+    self._first_use: dict[str, dict[str, tuple]] = {}
+
+  # -- statements and blocks -------------------------------------------------
+
+  def _statement(self, lines: list[str], scope: dict[str, str], depth: int) -> _Statement:
+    header = lines[0].strip()
+    lhs = _LHS.match(header)
+    def_names: list[tuple[str, int | None]] = []
+    if lhs:
+      for part in lhs.group(1).split(','):
+        name, _, count = part.strip().partition(':')
+        def_names.append((name, int(count) if count else None))
+      header = _PLACEHOLDER + header[lhs.end(1):]
+    base = _indent_of(lines[0])
+    # Structure lines (the header, `cond {`, `} do {`, `^bb0(...)`, closing
+    # braces) versus region bodies (everything indented deeper).
+    parts: list[tuple[str, Any]] = [('structure', header)]
+    for line in lines[1:]:
+      stripped = line.strip()
+      if _indent_of(line) <= base or stripped.startswith(_STRUCTURE):
+        parts.append(('structure', stripped))
+      elif parts[-1][0] == 'region':
+        parts[-1][1].append(line)
+      else:
+        parts.append(('region', [line]))
+    out = self._while(parts, scope, depth) if _WHILE.match(header) else None
+    if out is None:
+      out = self._generic(parts, scope, depth)
+    out, result_order = out
+    refs = set()
+    for line in lines:
+      refs.update(_SSA.findall(line))
+    refs -= {name for name, _ in def_names}
+    token = _hash('\n'.join(out))
+    defs, aliases = [], {}
+    for i, (name, count) in enumerate(def_names):
+      suffix = f'_{i}' if len(def_names) > 1 else ''
+      defs.append((name, f'%v{token}{suffix}' if not suffix else f'%v{_hash(token + suffix)}'))
+    if result_order is not None and len(def_names) == 1:
+      name = def_names[0][0]
+      aliases = {f'{name}#{old}': f'%v{token}#{new}' for old, new in result_order.items()}
+    return _Statement(
+        lines=out,
+        defs=defs,
+        refs=refs,
+        token=token,
+        terminator=not def_names and bool(_TERMINATORS.match(header)),
+        side_effect=not def_names or 'has_side_effect = true' in header,
+        aliases=aliases,
+    )
+
+  def _generic(self, parts, scope, depth) -> tuple[list[str], dict[int, int] | None]:
+    # Values bound by the structure (block arguments, reducer arguments) are
+    # named by position, per nesting depth.
+    local: dict[str, str] = {}
+    for kind, part in parts:
+      if kind == 'structure':
+        for name in _SSA.findall(part):
+          if name != _PLACEHOLDER and name not in scope and name not in local:
+            local[name] = f'%b{depth}_{len(local)}'
+    inner_scope = {**scope, **local}
+    out: list[str] = []
+    for kind, part in parts:
+      if kind == 'structure':
+        out.append(_substitute(part, inner_scope))
+      else:
+        out.extend(_INDENT + l for l in self._block(part, inner_scope, depth + 1))
+    result_order = None
+    call = _CALL_LINE.match(out[0])
+    if call and call.group(3) in self._functions:
+      out[0], result_order = self._call(call, depth)
+    return out, result_order
+
+  def _call(self, call: re.Match, depth: int) -> tuple[str, dict[int, int] | None]:
+    """A call of a private function: the callee is read with its arguments
+    named by what the caller passes, so neither the order of its arguments
+    nor of its results matters (jax orders, e.g., a rematerialised layer's
+    residuals as it collects them, differently per side)."""
+    lhs, keyword, callee = call.group(1) or '', call.group(2), call.group(3)
+    operands, types = _split_top_level(call.group(4)), _split_top_level(call.group(5))
+    results = call.group(6)
+    name, arg_order, result_order = self._instance(callee, operands, depth)
+    if len(types) == len(operands):
+      types = [types[i] for i in arg_order]
+    operands = [operands[i] for i in arg_order]
+    new_index = None
+    if result_order is not None:
+      order, new_index = result_order
+      wrapped = results.startswith('(') and results.endswith(')')
+      entries = _split_top_level(results[1:-1] if wrapped else results)
+      if len(entries) == len(order):
+        joined = ', '.join(entries[i] for i in order)
+        results = f'({joined})' if wrapped else joined
+      else:
+        new_index = None
+    line = f'{lhs}{keyword} {name}({", ".join(operands)}) : ({", ".join(types)}) -> {results}'
+    return line, new_index
+
+  def _while(self, parts, scope, depth) -> tuple[list[str], dict[int, int]] | None:
+    """A while loop with its loop-carried values in a canonical order.
+
+    jax orders a scan's carried values as it collects them (e.g. the
+    residuals a layer saves for the backward pass), and two spellings of one
+    model collect them in different orders. Each carried value is keyed by
+    its type, initial value and what the body returns for it (the body read
+    with carried values named by type and initial value, not position); the
+    carried values are then numbered in key order.
+    """
+    m = _WHILE.match(parts[0][1])
+    regions = [p for kind, p in parts if kind == 'region']
+    bindings, types = _split_top_level(m.group(2)), _split_top_level(m.group(3))
+    if len(regions) != 2 or len(bindings) != len(types):
+      return None
+    names, inits = [], []
+    for binding in bindings:
+      name, sep, init = binding.partition('=')
+      if not sep:
+        return None
+      names.append(name.strip())
+      inits.append(_substitute(init.strip(), scope))
+    n = len(names)
+    by_class = {names[i]: f'%c{depth}_{_hash(types[i] + inits[i])}' for i in range(n)}
+    body = self._block(regions[1], {**scope, **by_class}, depth + 1)
+    returned = _return_operands(body[-1]) if body else None
+    if returned is None or len(returned) != n:
+      return None
+    order, _ = _canonical_indices([f'{types[i]}|{inits[i]}|{returned[i]}' for i in range(n)])
+    position = {old: new for new, old in enumerate(order)}
+    local = {names[i]: f'%b{depth}_{position[i]}' for i in range(n)}
+    inner_scope = {**scope, **local}
+    header = (
+        f'{m.group(1)} = stablehlo.while('
+        f'{", ".join(f"{local[names[i]]} = {inits[i]}" for i in order)})'
+        f' : {", ".join(types[i] for i in order)}'
+    )
+    out, region_index = [header], 0
+    for kind, part in parts[1:]:
+      if kind == 'structure':
+        out.append(_substitute(part, inner_scope))
+        continue
+      block = self._block(part, inner_scope, depth + 1)
+      if region_index == 1:
+        permuted = _permute_return(block[-1], order)
+        if permuted is None:
+          return None
+        block[-1] = permuted
+      out.extend(_INDENT + l for l in block)
+      region_index += 1
+    return out, position
+
+  def _block(self, lines: list[str], scope: dict[str, str], depth: int) -> list[str]:
+    """A block's canonical lines: live statements, once each, in canonical order."""
+    scope = dict(scope)
+    defined_by: dict[str, int] = {}
+    statements: list[_Statement] = []
+    deps: list[set[int]] = []
+    owner: dict[str, int] = {}  # value token -> defining statement
+    transposes: dict[str, tuple[str, list[int]]] = {}  # token -> (operand, permutation)
+    for stmt_lines in _split_statements(lines):
+      stmt = self._statement(stmt_lines, scope, depth)
+      transpose = _TRANSPOSE.match(stmt.lines[0])
+      if transpose:
+        operand, perm = transpose.group(1), [int(d) for d in transpose.group(2).split(',')]
+        inner = transposes.get(operand)
+        if inner is not None and [inner[1][d] for d in perm] == list(range(len(perm))):
+          # transpose(transpose(x)) == x: the value is x (XLA folds it too).
+          name = stmt.defs[0][0]
+          scope[name] = inner[0]
+          if inner[0] in owner:
+            defined_by[name] = owner[inner[0]]
+          else:
+            defined_by.pop(name, None)
+          deps.append(set())
+          statements.append(dataclasses.replace(stmt, side_effect=False))
+          continue
+        transposes[stmt.defs[0][1]] = (operand, perm)
+      deps.append({defined_by[n] for n in stmt.refs if n in defined_by})
+      for name, token in stmt.defs:
+        scope[name] = token
+        defined_by[name] = len(statements)
+        owner[token] = len(statements)
+      scope.update(stmt.aliases)
+      statements.append(stmt)
+    # Dead code: only what a terminator or a side effect needs stays.
+    live, stack = set(), [i for i, s in enumerate(statements) if s.side_effect]
+    while stack:
+      i = stack.pop()
+      if i not in live:
+        live.add(i)
+        stack.extend(deps[i])
+    # Identical statements are one; order: topological, ready ones by token,
+    # terminators last.
+    by_token: dict[str, int] = {}
+    for i in sorted(live):
+      by_token.setdefault(statements[i].token, i)
+    token_deps = {
+        t: {statements[d].token for d in deps[i]} - {t} for t, i in by_token.items()
+    }
+    users: dict[str, set[str]] = collections.defaultdict(set)
+    for t, ds in token_deps.items():
+      for d in ds:
+        users[d].add(t)
+    waiting = {t: len(ds) for t, ds in token_deps.items()}
+    key = lambda t: (statements[by_token[t]].terminator, t)
+    ready = [key(t) for t, n in waiting.items() if n == 0]
+    heapq.heapify(ready)
+    out: list[str] = []
+    while ready:
+      _, t = heapq.heappop(ready)
+      stmt = statements[by_token[t]]
+      out.extend(self._with_results(stmt))
+      for u in users[t]:
+        waiting[u] -= 1
+        if waiting[u] == 0:
+          heapq.heappush(ready, key(u))
+    return out
+
+  @staticmethod
+  def _with_results(stmt: _Statement) -> list[str]:
+    if not stmt.defs:
+      return stmt.lines
+    results = ', '.join(token for _, token in stmt.defs)
+    header = stmt.lines[0]
+    count = re.match(r'%_(:\d+)?', header).group(1) or ''
+    return [results + count + header[len(_PLACEHOLDER) + len(count):]] + stmt.lines[1:]
+
+  # -- functions -------------------------------------------------------------
+
+  def _instance(self, callee: str, operands: list[str], depth: int):
+    """The private function `callee` with its arguments named `operands`.
+
+    Returns its canonical name (the hash of its signature and body), the
+    order of its arguments (by name) and of its results (by value name).
+    """
+    key = (callee, tuple(operands), depth)
+    if key not in self._instances:
+      fn = self._functions[callee]
+      if len(fn.args) != len(operands):
+        operands = [f'%a{i}' for i in range(len(fn.args))]
+      scope = {arg: operands[i] for i, (arg, _) in enumerate(fn.args)}
+      body = [_INDENT + l for l in self._block(fn.body, scope, depth)]
+      body, results, result_order = _sort_results(body, fn.results)
+      arg_order = sorted(range(len(fn.args)), key=lambda i: (operands[i], fn.args[i][1], i))
+      args = ', '.join(f'{operands[i]}: {fn.args[i][1]}' for i in arg_order)
+      arrow = f' -> {results}' if results else ''
+      signature = f'func.func private {{name}}({args}){arrow} {{'
+      name = f'@f{_hash(signature + chr(10) + chr(10).join(body))}'
+      self._rendered[name] = [signature.replace('{name}', name)] + body + ['}']
+      self._instances[key] = (name, arg_order, result_order)
+    return self._instances[key]
+
+  def _first_uses(self, fn_name: str) -> dict[str, tuple]:
+    """Where each value of a function is first used, looking into calls.
+
+    The key is (line, column) of the first use, or, when that use is as an
+    argument of a private function, (line, -1, where the callee first uses
+    that argument): a jitted function under a mesh wraps the whole step in
+    a call, and the order that matters is the order of use inside it.
+    """
+    if fn_name in self._first_use:
+      return self._first_use[fn_name]
+    fn = self._functions[fn_name]
+    self._first_use[fn_name] = found = {}
+    for index, line in enumerate(fn.body):
+      for m in _SSA.finditer(line):
+        name = m.group(0)
+        if name in found:
+          continue
+        call = _CALL_OPERANDS.search(line)
+        if call and call.group(1) in self._functions and m.start() > call.start():
+          operands = [o.split('#')[0] for o in _split_top_level(call.group(2))]
+          callee = self._functions[call.group(1)]
+          if name in operands and len(operands) == len(callee.args):
+            param = callee.args[operands.index(name)][0]
+            inner = self._first_uses(call.group(1)).get(param, (len(callee.body),))
+            found[name] = (index, -1, inner)
+            continue
+        found[name] = (index, m.start(), ())
+    return found
+
+  def _main(self) -> None:
+    fn = self._functions['@main']
+    # Pytree flattening orders the arguments differently per side (a Linen
+    # TrainState flattens `step` first): they are numbered by first use.
+    uses = self._first_uses('@main')
+    unused = (len(fn.body), 0, ())
+    order = sorted(range(len(fn.args)), key=lambda i: (uses.get(fn.args[i][0], unused), i))
+    scope = {fn.args[i][0]: f'%a{rank}' for rank, i in enumerate(order)}
+    args = ', '.join(f'%a{rank}: {fn.args[i][1]}' for rank, i in enumerate(order))
+    body = [_INDENT + l for l in self._block(fn.body, scope, 0)]
+    body, results, _ = _sort_results(body, fn.results)
+    vis = f'{fn.visibility} ' if fn.visibility else ''
+    arrow = f' -> {results}' if results else ''
+    self._rendered['@main'] = [f'func.func {vis}@main({args}){arrow} {{'] + body + ['}']
+
+  def render(self, others: list[str]) -> str:
+    """The module: non-function lines, @main, then every function it reaches."""
+    if '@main' in self._functions:
+      self._main()
+    out = [re.sub(r'^(\s*module\s+)@[\w$.-]+', r'\1@m', l.strip()) for l in others]
+    closing = out.pop() if out and out[-1] == '}' else None
+    seen, queue = set(), ['@main'] if '@main' in self._rendered else []
+    while queue:
+      name = queue.pop(0)
+      if name in seen:
+        continue
+      seen.add(name)
+      lines = self._rendered[name]
+      out.extend(_INDENT + l for l in lines)
+      for line in lines[1:]:
+        queue.extend(f for f in _FUNC_TOKEN.findall(line) if f not in seen)
+    if closing:
+      out.append(closing)
+    return '\n'.join(l.rstrip() for l in out if l.strip()) + '\n'
+
+
+def _sort_results(
+    body: list[str], results: str
+) -> tuple[list[str], str, tuple[list[int], dict[int, int]] | None]:
+  """A function's results ordered by their value names.
+
+  The order of @main's results is the pytree order (which differs per
+  side); a private function's is the order jax collected them in (e.g. the
+  residuals of a rematerialised layer). Returns the body, the result types,
+  and (order, old index -> new index) for the call sites.
   """
-  names: dict[str, str] = {}
-  arg_names = {a for a, _ in fn.args}
-
-  def rename(match: re.Match) -> str:
-    old = match.group(0)
-    if old not in names:
-      names[old] = f'%v{len(names)}'
-    return names[old]
-
-  body = [_SSA.sub(rename, line) for line in fn.body]
-  used_order = {a: int(names[a][2:]) for a in arg_names if a in names}
-  unused = [a for a, _ in fn.args if a not in used_order]
-  for a in unused:
-    names[a] = f'%v{len(names)}'
-  order = sorted(fn.args, key=lambda a: int(names[a[0]][2:]))
-  args = [(names[a], t) for a, t in order]
-
-  results = fn.results
-  if fn.name == '@main' or fn.visibility == 'public':
-    body, results = _sort_results(body, results)
-  return dataclasses.replace(fn, args=args, results=results, body=body)
-
-
-def _sort_results(body: list[str], results: str) -> tuple[list[str], str]:
-  """Reorders a public function's results by the order their values were defined."""
-  for index in range(len(body) - 1, -1, -1):
-    m = re.match(r'^(\s*)(func\.)?return\s+(.*?)\s*:\s*(.*)$', body[index])
-    if m:
-      break
-  else:
-    return body, results
-  indent, prefix, operands, types = m.groups()
-  operands, types = _split_top_level(operands), _split_top_level(types)
-  inner = results
-  wrapped = inner.startswith('(') and inner.endswith(')')
-  if wrapped:
-    inner = inner[1:-1]
-  result_entries = _split_top_level(inner)
-  if not (len(operands) == len(types) == len(result_entries)):
-    return body, results
-
-  def key(i):
-    name = operands[i].split('#')[0]
-    return (int(name[2:]) if name[2:].isdigit() else 1 << 30, operands[i])
-
-  order = sorted(range(len(operands)), key=key)
+  index = len(body) - 1
+  while index >= 0 and not _RETURN.match(body[index].strip()):
+    index -= 1
+  if index < 0:
+    return body, results, None
+  operands = _return_operands(body[index])
+  wrapped = results.startswith('(') and results.endswith(')')
+  entries = _split_top_level(results[1:-1] if wrapped else results)
+  if len(entries) != len(operands):
+    return body, results, None
+  order, new_index = _canonical_indices([f'{operands[i]}|{entries[i]}' for i in range(len(entries))])
+  permuted = _permute_return(body[index], order)
+  if permuted is None:
+    return body, results, None
   body = list(body)
-  body[index] = (
-      f'{indent}{prefix or ""}return {", ".join(operands[i] for i in order)}'
-      f' : {", ".join(types[i] for i in order)}'
-  )
-  joined = ', '.join(result_entries[i] for i in order)
-  return body, f'({joined})' if wrapped else joined
-
-
-def _rename_symbols(items: list) -> list:
-  """Names functions `@fN` by first appearance (`@main` kept); the module `@m`."""
-  names: dict[str, str] = {'@main': '@main'}
-
-  def rename(match: re.Match) -> str:
-    old = match.group(0)
-    if old not in names:
-      names[old] = f'@f{len(names) - 1}'
-    return names[old]
-
-  out = []
-  for item in items:
-    if isinstance(item, str):
-      out.append(re.sub(r'^(\s*module\s+)@[\w$.-]+', r'\1@m', item))
-      continue
-    name = rename(re.match(_SYMBOL, item.name))
-    body = [_SYMBOL_CALL.sub(lambda m: m.group(1) + rename(re.match(_SYMBOL, m.group(2))), l)
-            for l in item.body]
-    out.append(dataclasses.replace(item, name=name, body=body))
-  return out
-
-
-# Function references in a body: `call @name(`, `func.call @name(`, `callee = @name`.
-_SYMBOL_CALL = re.compile(r'((?:call|callee\s*=)\s+)(@[\w$.-]+)')
-
-
-def _render(items: list) -> str:
-  lines = []
-  for item in items:
-    if isinstance(item, str):
-      lines.append(item)
-      continue
-    args = ', '.join(f'{a}: {t}' for a, t in item.args)
-    vis = f'{item.visibility} ' if item.visibility else ''
-    results = f' -> {item.results}' if item.results else ''
-    lines.append(f'{item.header_indent}func.func {vis}{item.name}({args}){results} {{')
-    lines.extend(item.body)
-    lines.append(f'{item.header_indent}}}')
-  return '\n'.join(line.rstrip() for line in lines if line.strip()) + '\n'
+  body[index] = permuted
+  joined = ', '.join(entries[i] for i in order)
+  return body, f'({joined})' if wrapped else joined, (order, new_index)
 
 
 def canonicalize(text: str) -> str:
-  """The lowered (StableHLO) text without names, locations and labels.
+  """The lowered (StableHLO) text as a canonical dataflow graph (see above).
 
   Removed: debug locations, `jax.result_info`/`jax.arg_info` labels, the
-  module name, private function names (renamed by first appearance), SSA
-  value names (renamed by first appearance), and the pytree order of the
-  public function's arguments and results (arguments sorted by first use,
-  results by definition). Kept: every operation, type, shape, attribute,
+  module name, SSA value names (values are named by the hash of their
+  computation), private function names (named by the hash of their body,
+  read per call), the order of independent operations, of a function's
+  arguments and results and of a loop's carried values, dead operations,
+  repeated identical operations, transposes that undo each other, and the
+  pytree order of @main's arguments (numbered by first use) and results
+  (sorted by name). Kept: every live operation, type, shape, attribute,
   sharding and constant.
   """
   text = _strip_label_attrs(_strip_locations(text))
   items = _parse_functions(text)
-  items = [_rename_values(i) if isinstance(i, _Function) else i for i in items]
-  items = _rename_symbols(items)
-  return _render(items)
+  functions = {i.name: i for i in items if isinstance(i, _Function)}
+  others = [i for i in items if isinstance(i, str)]
+  return _Canonicalizer(functions).render(others)
+
+
+def _short_names(texts: list[str], minimum: int = 6) -> list[str]:
+  """Hash names cut to the shortest prefix that keeps them apart (for reading)."""
+  names = set()
+  for text in texts:
+    names.update(_VALUE_TOKEN.findall(text))
+    names.update(_FUNC_TOKEN.findall(text))
+  length = minimum
+  while length < _TOKEN_HEX and len({n[:2 + length] for n in names}) < len(names):
+    length += 2
+  cut = lambda m: m.group(0)[:2 + length]
+  return [_FUNC_TOKEN.sub(cut, _VALUE_TOKEN.sub(cut, t)) for t in texts]
 
 
 # ---------------------------------------------------------------------------
@@ -281,7 +677,9 @@ class ProgramDiff:
   linen_lines: int
   nnx_lines: int
   changed_lines: int  # lines removed plus lines added
-  diff: str  # a short unified diff, '' when identical
+  diff: str  # a short unified diff of the canonical programs, '' when identical
+  first_linen: str = ''  # the first differing canonical line, each side
+  first_nnx: str = ''
 
   def summary(self) -> str:
     if self.identical:
@@ -296,21 +694,69 @@ class ProgramDiff:
     return dataclasses.asdict(self)
 
 
-def diff(linen_text: str, nnx_text: str, context: int = 2, max_lines: int = 40) -> ProgramDiff:
-  """Canonicalises both programs and compares them line by line."""
-  a = canonicalize(linen_text).splitlines()
-  b = canonicalize(nnx_text).splitlines()
-  if a == b:
-    return ProgramDiff(True, None, len(a), len(b), 0, '')
+def _clip(line: str, width: int, start: int = 0) -> str:
+  """`line` cut to `width` characters, showing the part from about `start` on."""
+  if len(line) <= width:
+    return line
+  lead = 0 if start < width // 2 else min(start - width // 4, len(line) - width + 3)
+  text = line[lead:lead + width - 6]
+  return ('...' if lead else '') + text + ('...' if lead + width - 6 < len(line) else '')
+
+
+def _first_difference(a: str, b: str) -> int:
+  return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _clip_diff(lines: list[str], width: int) -> list[str]:
+  """Unified-diff lines cut to `width`; a changed line pair is cut around its difference."""
+  out, i = [], 0
+  while i < len(lines):
+    minus = i
+    while minus < len(lines) and lines[minus].startswith('-') and not lines[minus].startswith('---'):
+      minus += 1
+    plus = minus
+    while plus < len(lines) and lines[plus].startswith('+') and not lines[plus].startswith('+++'):
+      plus += 1
+    removed, added = lines[i:minus], lines[minus:plus]
+    if removed and len(removed) == len(added):
+      starts = [_first_difference(r[1:], a[1:]) for r, a in zip(removed, added)]
+      out += [r[0] + _clip(r[1:], width - 1, k) for r, k in zip(removed, starts)]
+      out += [a[0] + _clip(a[1:], width - 1, k) for a, k in zip(added, starts)]
+      i = plus
+    else:
+      out.append(_clip(lines[i], width))
+      i += 1
+  return out
+
+
+def diff(
+    linen_text: str, nnx_text: str, context: int = 1, max_lines: int = 40, width: int = 160
+) -> ProgramDiff:
+  """Canonicalises both programs and compares them line by line.
+
+  The diff shows at most `max_lines` lines, each cut to `width` characters
+  (a changed line around where it changes); hash names are shortened for
+  reading (the comparison uses them whole).
+  """
+  full = [canonicalize(linen_text), canonicalize(nnx_text)]
+  if full[0] == full[1]:
+    n = len(full[0].splitlines())
+    return ProgramDiff(True, None, n, n, 0, '')
+  a, b = (t.splitlines() for t in _short_names(full))
   matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
-  first = next(i1 for tag, i1, _, _, _ in matcher.get_opcodes() if tag != 'equal')
-  changed = sum(
-      (i2 - i1) + (j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != 'equal'
-  )
-  lines = list(difflib.unified_diff(a, b, 'linen', 'nnx', n=context, lineterm=''))
+  opcodes = [op for op in matcher.get_opcodes() if op[0] != 'equal']
+  _, i1, i2, j1, j2 = opcodes[0]
+  changed = sum((i2_ - i1_) + (j2_ - j1_) for _, i1_, i2_, j1_, j2_ in opcodes)
+  lines = _clip_diff(list(difflib.unified_diff(a, b, 'linen', 'nnx', n=context, lineterm='')), width)
   if len(lines) > max_lines:
     lines = lines[:max_lines] + [f'... ({len(lines) - max_lines} more diff lines)']
-  return ProgramDiff(False, first + 1, len(a), len(b), changed, '\n'.join(lines))
+  first_a = a[i1].strip() if i1 < i2 else ''
+  first_b = b[j1].strip() if j1 < j2 else ''
+  start = _first_difference(first_a, first_b)
+  return ProgramDiff(
+      False, i1 + 1, len(a), len(b), changed, '\n'.join(lines),
+      first_linen=_clip(first_a, width, start), first_nnx=_clip(first_b, width, start),
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -345,7 +791,7 @@ def _normalise(spec: str) -> str:
   return re.sub(r'\s+', ' ', spec.strip())
 
 
-def sharding_annotations(text: str) -> collections.Counter[str]:
+def sharding_annotations(text: str, mark_signature: bool = False) -> collections.Counter[str]:
   """The multiset of sharding annotations in a lowered program's text.
 
   Counts argument and result shardings and sharding constraints, in either
@@ -354,12 +800,22 @@ def sharding_annotations(text: str) -> collections.Counter[str]:
   whitespace, so two programs with the same shardings, in whatever order,
   give equal counters. Shardy mesh definitions (`sdy.mesh @mesh = <...>`)
   are not annotations and are not counted.
+
+  With `mark_signature`, the shardings of the entry function's arguments and
+  results (the state, batch and metrics) are keyed `signature ...`, apart
+  from those inside the program (activation constraints and the like).
   """
   text = _strip_locations(text)
+  header = re.search(r'^\s*func\.func\s+public\s+@main\(.*$', text, re.MULTILINE)
+  in_signature = (lambda i: header.start() <= i < header.end()) if header else (lambda i: False)
+
+  def key(kind: str, index: int) -> str:
+    return f'signature {kind}' if mark_signature and in_signature(index) else kind
+
   found: collections.Counter[str] = collections.Counter()
   for m in _GSPMD.finditer(text):
-    found[f'gspmd:{_normalise(m.group(1))}'] += 1
+    found[key(f'gspmd:{_normalise(m.group(1))}', m.start())] += 1
   for pattern in (_SDY_ATTR, _SDY_CONSTRAINT):
     for m in pattern.finditer(text):
-      found[f'sdy:<{_normalise(_angle_block(text, m.end() - 1))}>'] += 1
+      found[key(f'sdy:<{_normalise(_angle_block(text, m.end() - 1))}>', m.start())] += 1
   return found

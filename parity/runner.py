@@ -2,30 +2,75 @@
 
 One side is initialised, its state is carried to the other through the
 bridge's checkpoint layout, then both train on the same batches with the
-same dropout base key, their steps interleaved so machine noise hits both
-alike. Losses are compared by their bits each step; final parameters and
-optimizer state are compared bitwise at the end.
+same dropout base key. Losses are compared by their bits each step; final
+parameters and optimizer state are compared bitwise at the end.
+
+Timing follows DESIGN.md "Step timing done right" (and seeds/004):
+
+- Each side's train step is lowered and compiled ahead of time
+  (`.lower(...).compile()`), timed apart as `compile_s`; step 0 then only
+  executes, so it is a step time like any other.
+- A step's time is the interval from its dispatch, made right after the
+  previous host synchronisation, to the host synchronisation on that step's
+  loss (the loss read back as a number). The time between two asynchronous
+  dispatches is never used: it measures the dispatch, not the step.
+- The two sides' steps are interleaved, and which side goes first alternates
+  every step, so machine noise and cache effects hit both alike.
+- A checkpoint save happens after both sides' losses of that step are on the
+  host (and reported through `on_step`), and it is timed apart, until the
+  checkpoint is committed: no save overlaps a timed step, no step contains one.
+
+The compiled programs also give what the report needs: XLA's memory analysis
+(argument, output, temporary bytes), its cost analysis (FLOPs), and the
+lowered text of both train steps for `parity.programs.diff`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import os
+import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
 
 from models import data, rng
 from models.config import ModelConfig, TrainConfig
-from parity import bitwise
+from parity import bitwise, programs
+from parity.flops import StepFlops, train_step_flops
 from parity.sides import as_jax_batch, make_sides
+
+SIDES = ('linen', 'nnx')
 
 
 @dataclasses.dataclass
 class SideRun:
   losses: list[float] = dataclasses.field(default_factory=list)
   loss_hex: list[str] = dataclasses.field(default_factory=list)
+  # Seconds per step, step 0 included (compilation is not in it: compile_s).
   step_times: list[float] = dataclasses.field(default_factory=list)
+  # (dispatch, loss on host) of each step, seconds since the run's first step.
+  step_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+  lower_s: float | None = None  # tracing and lowering to StableHLO
+  compile_s: float | None = None  # lowering plus XLA compilation
+  checkpoint_steps: list[int] = dataclasses.field(default_factory=list)
+  checkpoint_s: list[float] = dataclasses.field(default_factory=list)  # until committed
+  checkpoint_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+  memory: dict[str, Any] = dataclasses.field(default_factory=dict)
+  xla_flops: float | None = None  # XLA's cost analysis of the compiled step (per device)
+
+  @property
+  def avg_step_s(self) -> float | None:
+    """Mean step time; step 0 left out when there are later steps (first-run effects)."""
+    times = self.step_times[1:] or self.step_times
+    return float(np.mean(times)) if times else None
+
+  @property
+  def median_step_s(self) -> float | None:
+    return float(np.median(self.step_times)) if self.step_times else None
 
 
 @dataclasses.dataclass
@@ -36,10 +81,52 @@ class CompareResult:
   nnx: SideRun
   first_divergent_step: int | None
   state_diffs: list[str]
+  model_cfg: ModelConfig | None = None
+  train_cfg: TrainConfig | None = None
+  seed: int = 0
+  mesh_shape: dict[str, int] | None = None  # None: one device, no mesh
+  num_devices: int = 1
+  device_kind: str = ''
+  platform: str = ''
+  flops: StepFlops | None = None
+  program_diff: programs.ProgramDiff | None = None
+  # The lowered train steps, {'linen': text, 'nnx': text} (not in the JSON).
+  program_texts: dict[str, str] | None = dataclasses.field(default=None, repr=False)
 
   @property
   def bitwise_equal(self) -> bool:
     return self.first_divergent_step is None and not self.state_diffs
+
+  @property
+  def programs_identical(self) -> bool | None:
+    return None if self.program_diff is None else self.program_diff.identical
+
+  @property
+  def tokens_per_step(self) -> int | None:
+    if self.train_cfg is None:
+      return None
+    return self.train_cfg.batch_size * self.train_cfg.seq_len
+
+  @property
+  def param_count(self) -> int | None:
+    return None if self.model_cfg is None else self.model_cfg.param_count()
+
+  def side(self, name: str) -> SideRun:
+    return {'linen': self.linen, 'nnx': self.nnx}[name]
+
+  def tokens_per_s(self, name: str) -> float | None:
+    """Tokens per second per device (every position of the batch, padding included)."""
+    avg = self.side(name).avg_step_s
+    if not avg or self.tokens_per_step is None:
+      return None
+    return self.tokens_per_step / avg / self.num_devices
+
+  def tflops_per_s(self, name: str) -> float | None:
+    """Analytic model TFLOP/s per device (parity.flops)."""
+    avg = self.side(name).avg_step_s
+    if not avg or self.flops is None:
+      return None
+    return self.flops.total / avg / self.num_devices / 1e12
 
   def verdict(self) -> str:
     if self.bitwise_equal:
@@ -49,19 +136,209 @@ class CompareResult:
     return f'DIVERGED: losses equal but {len(self.state_diffs)} final state leaves differ'
 
   def to_json(self) -> dict[str, Any]:
+    def side_json(name: str) -> dict[str, Any]:
+      run = self.side(name)
+      out = dataclasses.asdict(run)
+      out.update(
+          avg_step_s=run.avg_step_s,
+          median_step_s=run.median_step_s,
+          tokens_per_s=self.tokens_per_s(name),
+          tflops_per_s=self.tflops_per_s(name),
+          checkpoint_total_s=sum(run.checkpoint_s),
+      )
+      return out
+
     return {
         'bitwise_equal': self.bitwise_equal,
         'first_divergent_step': self.first_divergent_step,
+        'programs_identical': self.programs_identical,
+        'verdict': self.verdict(),
         'steps': self.steps,
+        'seed': self.seed,
         'init_side': self.init_side,
         'state_diffs': self.state_diffs,
-        'linen': dataclasses.asdict(self.linen),
-        'nnx': dataclasses.asdict(self.nnx),
+        'model_config': None if self.model_cfg is None else dataclasses.asdict(self.model_cfg),
+        'train_config': None if self.train_cfg is None else dataclasses.asdict(self.train_cfg),
+        'param_count': self.param_count,
+        'tokens_per_step': self.tokens_per_step,
+        'mesh': self.mesh_shape,
+        'num_devices': self.num_devices,
+        'device_kind': self.device_kind,
+        'platform': self.platform,
+        'flops_per_step': None if self.flops is None else {
+            'total': self.flops.total,
+            'weights': self.flops.weights,
+            'attention': self.flops.attention,
+        },
+        'program_diff': None if self.program_diff is None else self.program_diff.to_json(),
+        'linen': side_json('linen'),
+        'nnx': side_json('nnx'),
     }
 
 
 def loss_hex(x: Any) -> str:
   return float(np.asarray(x, np.float32)).hex()
+
+
+# ---------------------------------------------------------------------------
+# Compilation
+# ---------------------------------------------------------------------------
+
+
+def lower(side: Any, state: Any, batch: Any, dropout_base: Any) -> jax.stages.Lowered:
+  """The side's train step lowered for these arguments, under its mesh and rules."""
+  fn = side._train_step
+  with side.context():
+    if isinstance(fn, functools.partial):
+      # The NNX step off a mesh: a jitted function with the graphdef bound
+      # as its static first argument.
+      return fn.func.lower(*fn.args, state, batch, dropout_base, **fn.keywords)
+    return fn.lower(state, batch, dropout_base)
+
+
+@dataclasses.dataclass
+class CompiledStep:
+  """A side's compiled train step and what XLA says about it."""
+
+  executable: jax.stages.Compiled
+  text: str  # lowered StableHLO, for the program diff
+  lower_s: float
+  compile_s: float
+
+  @property
+  def batch_sharding(self) -> Any:
+    args, _ = self.executable.input_shardings
+    return args[1]
+
+  def memory(self, device: jax.Device) -> dict[str, Any]:
+    return memory_of(self.executable, device)
+
+  def cost_flops(self) -> float | None:
+    return cost_flops(self.executable)
+
+
+def compile_step(side: Any, state: Any, batch: Any, dropout_base: Any) -> CompiledStep:
+  start = time.perf_counter()
+  lowered = lower(side, state, batch, dropout_base)
+  lowered_at = time.perf_counter()
+  executable = lowered.compile()
+  done = time.perf_counter()
+  return CompiledStep(executable, lowered.as_text(), lowered_at - start, done - start)
+
+
+def memory_of(executable: jax.stages.Compiled, device: jax.Device) -> dict[str, Any]:
+  """XLA's memory analysis of a compiled program, per device, in bytes.
+
+  `peak_bytes` = arguments + outputs + temporaries - aliased (donated)
+  buffers; `percent` relates it to the device's memory limit where the
+  device reports one (accelerators; not the CPU).
+  """
+  try:
+    analysis = executable.memory_analysis()
+  except Exception:  # not every backend implements it
+    analysis = None
+  if analysis is None:
+    return {}
+  fields = {
+      'argument_bytes': 'argument_size_in_bytes',
+      'output_bytes': 'output_size_in_bytes',
+      'temp_bytes': 'temp_size_in_bytes',
+      'alias_bytes': 'alias_size_in_bytes',
+      'generated_code_bytes': 'generated_code_size_in_bytes',
+  }
+  out = {key: int(getattr(analysis, attr, 0) or 0) for key, attr in fields.items()}
+  out['peak_bytes'] = (
+      out['argument_bytes'] + out['output_bytes'] + out['temp_bytes'] - out['alias_bytes']
+  )
+  try:
+    limit = (device.memory_stats() or {}).get('bytes_limit')
+  except Exception:
+    limit = None
+  out['device_bytes_limit'] = int(limit) if limit else None
+  out['percent'] = 100.0 * out['peak_bytes'] / limit if limit else None
+  return out
+
+
+def cost_flops(executable: jax.stages.Compiled) -> float | None:
+  """FLOPs by XLA's cost analysis (older jax returns one dict per program)."""
+  try:
+    analysis = executable.cost_analysis()
+  except Exception:
+    return None
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else None
+  if not analysis or 'flops' not in analysis:
+    return None
+  return float(analysis['flops'])
+
+
+# ---------------------------------------------------------------------------
+# Checkpoint saves
+# ---------------------------------------------------------------------------
+
+# `(side, step, state)`: saves `state` of `side` as `step` and returns once it
+# is committed. The runner times the call.
+CheckpointFn = Callable[[Any, int, Any], None]
+
+
+class OrbaxSaver:
+  """Saves each side's state with `parity.checkpoints` (Orbax, OCDBT) under `directory/<side>`.
+
+  The save is asynchronous in Orbax; this waits until it is committed, so
+  the whole save is timed and no write runs behind the next timed step.
+  `blocking_s` keeps, per save, the part a training loop would block on.
+  """
+
+  def __init__(self, directory: str, dropout_base: Any):
+    from parity import checkpoints
+
+    self._checkpoints = checkpoints
+    self._directory = directory
+    self._dropout_base = dropout_base
+    self._managers: dict[str, Any] = {}
+    self.blocking_s: dict[str, list[float]] = {name: [] for name in SIDES}
+
+  def __call__(self, side: Any, step: int, state: Any) -> None:
+    manager = self._managers.get(side.name)
+    if manager is None:
+      manager = self._checkpoints.open_manager(os.path.join(self._directory, side.name))
+      self._managers[side.name] = manager
+    start = time.perf_counter()
+    self._checkpoints.save(manager, step, side, state, self._dropout_base)
+    self.blocking_s[side.name].append(time.perf_counter() - start)
+    manager.wait_until_finished()
+
+  def close(self) -> None:
+    for manager in self._managers.values():
+      manager.wait_until_finished()
+      manager.close()
+
+
+@contextlib.contextmanager
+def _default_saver(directory: str | None, dropout_base: Any) -> Iterator[OrbaxSaver]:
+  if directory is not None:
+    saver = OrbaxSaver(directory, dropout_base)
+    try:
+      yield saver
+    finally:
+      saver.close()
+    return
+  with tempfile.TemporaryDirectory(prefix='parity-checkpoints-') as tmp:
+    saver = OrbaxSaver(tmp, dropout_base)
+    try:
+      yield saver
+    finally:
+      saver.close()
+
+
+# ---------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------
+
+
+def sides_for(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.Mesh | None):
+  """Both sides of a config (`make_sides` keeps them per process, with their compilations)."""
+  return make_sides(model_cfg, train_cfg, mesh)
 
 
 def run_compare(
@@ -70,42 +347,60 @@ def run_compare(
     steps: int,
     seed: int = 0,
     init_side: str = 'linen',
-    on_step: Callable[[int, float, float], None] | None = None,
+    on_step: Callable[[int, SideRun, SideRun], None] | None = None,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    checkpoint_every: int = 0,
+    checkpoint_fn: CheckpointFn | None = None,
+    checkpoint_dir: str | None = None,
+    program_diff: bool = True,
+    on_phase: Callable[[str], None] | None = None,
 ) -> CompareResult:
-  """Trains both sides `steps` steps from one state; see the module doc."""
-  linen, nnx_side = make_sides(model_cfg, train_cfg)
-  if init_side == 'linen':
-    linen_state = linen.init(seed)
-    nnx_state = nnx_side.from_checkpoint(linen.to_checkpoint(linen_state))
-  elif init_side == 'nnx':
-    nnx_state = nnx_side.init(seed)
-    linen_state = linen.from_checkpoint(nnx_side.to_checkpoint(nnx_state))
-  else:
-    raise ValueError(f"init_side must be 'linen' or 'nnx', got {init_side!r}")
+  """Trains both sides `steps` steps from one state; see the module doc.
 
+  `on_step(step, linen_run, nnx_run)` is called once both sides' losses of
+  `step` are on the host, before any checkpoint save of that step. With
+  `checkpoint_every=N`, both states are saved after steps N-1, 2N-1, ...:
+  through `checkpoint_fn` when given, else with Orbax (parity.checkpoints)
+  under `checkpoint_dir` or a temporary directory. `on_phase` hears what
+  the runner is doing before each slow phase (initialising, compiling).
+  """
+  if init_side not in SIDES:
+    raise ValueError(f"init_side must be 'linen' or 'nnx', got {init_side!r}")
+  if checkpoint_every < 0:
+    raise ValueError(f'checkpoint_every must be >= 0, got {checkpoint_every}')
+  say = on_phase or (lambda _: None)
+  sides = dict(zip(SIDES, sides_for(model_cfg, train_cfg, mesh)))
+  say(f'initialising ({init_side}) and carrying the state to the other side')
+  other = 'nnx' if init_side == 'linen' else 'linen'
+  states = {init_side: sides[init_side].init(seed)}
+  states[other] = sides[other].from_checkpoint(sides[init_side].to_checkpoint(states[init_side]))
   dropout_base = rng.base_key(seed)
-  runs = {'linen': SideRun(), 'nnx': SideRun()}
-  states = {'linen': linen_state, 'nnx': nnx_state}
-  sides = {'linen': linen, 'nnx': nnx_side}
-  first_divergent = None
-  for step in range(steps):
-    batch = as_jax_batch(data.make_batch(model_cfg, train_cfg, step))
-    bits = {}
-    for name in ('linen', 'nnx'):
-      start = time.perf_counter()
-      states[name], metrics = sides[name].train_step(states[name], batch, dropout_base)
-      loss = np.asarray(jax.block_until_ready(metrics['loss']))
-      runs[name].step_times.append(time.perf_counter() - start)
-      runs[name].losses.append(float(loss))
-      runs[name].loss_hex.append(loss_hex(loss))
-      bits[name] = bitwise.raw_bits(loss)
-    if first_divergent is None and not np.array_equal(bits['linen'], bits['nnx']):
-      first_divergent = step
-    if on_step is not None:
-      on_step(step, runs['linen'].losses[-1], runs['nnx'].losses[-1])
+  runs = {name: SideRun() for name in SIDES}
+
+  first_batch = as_jax_batch(data.make_batch(model_cfg, train_cfg, 0))
+  compiled = {}
+  for name in SIDES:
+    say(f'compiling the {name} train step')
+    compiled[name] = compile_step(sides[name], states[name], first_batch, dropout_base)
+    runs[name].lower_s = compiled[name].lower_s
+    runs[name].compile_s = compiled[name].compile_s
+  device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+  for name in SIDES:
+    runs[name].memory = compiled[name].memory(device)
+    runs[name].xla_flops = compiled[name].cost_flops()
+  diff = programs.diff(compiled['linen'].text, compiled['nnx'].text) if program_diff else None
+
+  with contextlib.ExitStack() as stack:
+    if checkpoint_every and checkpoint_fn is None:
+      checkpoint_fn = stack.enter_context(_default_saver(checkpoint_dir, dropout_base))
+    first_divergent = _train(
+        model_cfg, train_cfg, steps, sides, states, compiled, dropout_base, runs,
+        on_step, checkpoint_every, checkpoint_fn,
+    )
 
   diffs = bitwise.compare_trees(
-      linen.to_checkpoint(states['linen']), nnx_side.to_checkpoint(states['nnx'])
+      sides['linen'].to_checkpoint(states['linen']), sides['nnx'].to_checkpoint(states['nnx'])
   )
   return CompareResult(
       steps=steps,
@@ -114,4 +409,61 @@ def run_compare(
       nnx=runs['nnx'],
       first_divergent_step=first_divergent,
       state_diffs=[str(d) for d in diffs],
+      model_cfg=model_cfg,
+      train_cfg=train_cfg,
+      seed=seed,
+      mesh_shape=None if mesh is None else dict(mesh.shape),
+      num_devices=1 if mesh is None else int(mesh.devices.size),
+      device_kind=device.device_kind,
+      platform=device.platform,
+      flops=train_step_flops(model_cfg, train_cfg),
+      program_diff=diff,
+      program_texts={name: compiled[name].text for name in SIDES},
   )
+
+
+def _train(
+    model_cfg, train_cfg, steps, sides, states, compiled, dropout_base, runs,
+    on_step, checkpoint_every, checkpoint_fn,
+) -> int | None:
+  """The timed loop; fills `runs` and `states`, returns the first divergent step."""
+  clock = time.perf_counter
+  origin = clock()
+  first_divergent = None
+  for step in range(steps):
+    host_batch = data.make_batch(model_cfg, train_cfg, step)
+    # Batches are placed (and ready) before the clock starts for either side.
+    batches = {
+        name: jax.block_until_ready(
+            jax.device_put(as_jax_batch(host_batch), compiled[name].batch_sharding)
+        )
+        for name in SIDES
+    }
+    bits = {}
+    order = SIDES if step % 2 == 0 else SIDES[::-1]
+    for name in order:
+      start = clock()
+      states[name], metrics = compiled[name].executable(states[name], batches[name], dropout_base)
+      loss = np.asarray(metrics['loss'])  # the host synchronisation that ends the step
+      end = clock()
+      run = runs[name]
+      run.step_times.append(end - start)
+      run.step_spans.append((start - origin, end - origin))
+      run.losses.append(float(loss))
+      run.loss_hex.append(loss_hex(loss))
+      bits[name] = bitwise.raw_bits(loss)
+    if first_divergent is None and not np.array_equal(bits['linen'], bits['nnx']):
+      first_divergent = step
+    if on_step is not None:
+      on_step(step, runs['linen'], runs['nnx'])
+    if checkpoint_every and (step + 1) % checkpoint_every == 0:
+      saves = (step + 1) // checkpoint_every - 1
+      # Alternating too: the first save pays Orbax's set-up, whichever side makes it.
+      for name in SIDES if saves % 2 == 0 else SIDES[::-1]:
+        start = clock()
+        checkpoint_fn(sides[name], step, states[name])
+        end = clock()
+        runs[name].checkpoint_steps.append(step)
+        runs[name].checkpoint_s.append(end - start)
+        runs[name].checkpoint_spans.append((start - origin, end - origin))
+  return first_divergent

@@ -94,24 +94,39 @@ class LinenSide(_Placement):
 
   def init(self, seed: int) -> linen_train.TrainState:
     """A fresh state, created in its target shardings on a mesh."""
-    treedef = jax.tree.structure(self.template)
-    shardings = None if self.mesh is None else jax.tree.leaves(self.state_shardings)
-    # Leaves, not the TrainState: its treedef holds `apply_fn`, which compares
-    # by identity, so the template's treedef is the one every state shares.
-    make_leaves = jax.jit(lambda: jax.tree.leaves(self._make_state(seed)), out_shardings=shardings)
     with self.context():
-      return jax.tree.unflatten(treedef, make_leaves())
+      return jax.tree.unflatten(jax.tree.structure(self.template), self._init_leaves(seed))
+
+  @functools.cached_property
+  def _init_leaves(self):
+    """The jitted initialiser (one per side, one compile per seed).
+
+    It returns leaves, not the TrainState: a TrainState's treedef holds
+    `apply_fn`, which compares by identity, so the template's treedef is the
+    one every state of this side shares.
+    """
+    shardings = None if self.mesh is None else jax.tree.leaves(self.state_shardings)
+    return jax.jit(
+        lambda seed: jax.tree.leaves(self._make_state(seed)),
+        static_argnums=0,
+        out_shardings=shardings,
+    )
+
+  @functools.cached_property
+  def abstract_all_variables(self) -> Any:
+    """Every boxed collection (parameters, fp8 state) as ShapeDtypeStructs."""
+    return jax.eval_shape(lambda: linen_train.init_variables(self.model_cfg, self.train_cfg, 0))
 
   @functools.cached_property
   def abstract_variables(self) -> Any:
-    """Boxed variables as ShapeDtypeStructs (nothing allocated)."""
-    return jax.eval_shape(lambda: linen_train.init_variables(self.model_cfg, self.train_cfg, 0))
+    """Boxed parameters `{'params': ...}` as ShapeDtypeStructs (nothing allocated)."""
+    return {'params': self.abstract_all_variables['params']}
 
   @functools.cached_property
   def template(self) -> linen_train.TrainState:
     return jax.eval_shape(
         lambda: linen_train.create_train_state(
-            self.model_cfg, self.train_cfg, nn.unbox(self.abstract_variables)
+            self.model_cfg, self.train_cfg, nn.unbox(self.abstract_all_variables)
         )
     )
 
@@ -122,7 +137,7 @@ class LinenSide(_Placement):
       return None
     boxed = jax.eval_shape(
         lambda: linen_train.create_train_state(
-            self.model_cfg, self.train_cfg, self.abstract_variables, unbox=False
+            self.model_cfg, self.train_cfg, self.abstract_all_variables, unbox=False
         )
     )
     leaves = jax.tree.leaves(self._shardings(nn.get_partition_spec(boxed)))
@@ -140,7 +155,7 @@ class LinenSide(_Placement):
 
   def eval_step(self, state, batch):
     with self.context():
-      return linen_train.make_eval_step(self.model_cfg, self.train_cfg)(state.params, batch)
+      return linen_train.make_eval_step(self.model_cfg, self.train_cfg)(state, batch)
 
   def to_checkpoint(self, state) -> dict[str, Any]:
     return bridge_state.linen_to_checkpoint(state)
@@ -153,13 +168,13 @@ class LinenSide(_Placement):
 
   def forward(self, state, batch, dropout_key):
     with self.context():
-      return _linen_forward(self.model_cfg, state.params, batch, dropout_key)
+      return _linen_forward(self.model_cfg, linen_train.model_variables(state), batch, dropout_key)
 
   def loss_and_grad(self, state, batch, dropout_key):
     """((loss_sum, (z_sum, tokens)), grads as Linen variables `{'params': ...}`)."""
     fn = linen_train.make_loss_and_grad(self.model_cfg, self.train_cfg)
     with self.context():
-      return fn(state.params, batch, dropout_key)
+      return fn(state, batch, dropout_key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,9 +222,17 @@ class NnxSide(_Placement):
 
   def init(self, seed: int) -> nnx.State:
     """A fresh state, created in its target shardings on a mesh."""
-    make_state = jax.jit(lambda: nnx.state(self._pair(seed)), out_shardings=self.state_shardings)
     with self.context():
-      return make_state()
+      return self._init_state(seed)
+
+  @functools.cached_property
+  def _init_state(self):
+    """The jitted initialiser (one per side, one compile per seed)."""
+    return jax.jit(
+        lambda seed: nnx.state(self._pair(seed)),
+        static_argnums=0,
+        out_shardings=self.state_shardings,
+    )
 
   @functools.cached_property
   def _train_step(self):
@@ -262,8 +285,14 @@ def make_sides(
     mesh: jax.sharding.Mesh | None = None,
     rules: specs_lib.Rules = specs_lib.DEFAULT_RULES,
 ) -> tuple[LinenSide, NnxSide]:
-  """Both sides of one config, on one device (`mesh=None`) or on `mesh` under `rules`."""
-  return (
-      LinenSide(model_cfg, train_cfg, mesh, tuple(rules)),
-      NnxSide(model_cfg, train_cfg, mesh, tuple(rules)),
-  )
+  """Both sides of one config, on one device (`mesh=None`) or on `mesh` under `rules`.
+
+  Made once per process and arguments: a side keeps its jitted functions, so
+  every caller (runner, CLI, tests) shares their compilations.
+  """
+  return _make_sides(model_cfg, train_cfg, mesh, tuple(tuple(r) for r in rules))
+
+
+@functools.cache
+def _make_sides(model_cfg, train_cfg, mesh, rules) -> tuple[LinenSide, NnxSide]:
+  return LinenSide(model_cfg, train_cfg, mesh, rules), NnxSide(model_cfg, train_cfg, mesh, rules)

@@ -26,3 +26,17 @@ def tiny_batch(tiny_cfgs):
 @pytest.fixture(scope='session')
 def dropout_base():
   return rng.base_key(0)
+
+
+def pytest_collection_modifyitems(config, items):
+  """Tests of one scenario share an xdist group (run with `--dist loadgroup`).
+
+  A scenario's side-by-side runs are cached per process (tests/runs.py), so
+  keeping its tests in one worker computes each run once.
+  """
+  del config
+  for item in items:
+    callspec = getattr(item, 'callspec', None)
+    scenario = callspec.params.get('scenario') if callspec else None
+    if isinstance(scenario, str):
+      item.add_marker(pytest.mark.xdist_group(scenario))

@@ -36,9 +36,10 @@ def tiny_run(scenario: str = '01_baseline', init_side: str = 'linen') -> Compare
 class SideOnMesh:
   losses: list[jax.Array]
   final: dict[str, jax.Array]  # checkpoint layout
+  init_shardings: dict[str, jax.sharding.Sharding]  # actual, at the start; checkpoint layout
   shardings: dict[str, jax.sharding.Sharding]  # actual, after training; checkpoint layout
   targets: dict[str, jax.sharding.Sharding]  # what the side asked for
-  annotations: collections.Counter
+  annotations: collections.Counter  # `signature ...` keys: arguments and results
 
 
 @dataclasses.dataclass
@@ -58,11 +59,18 @@ def train_on_mesh(
   linen, nnx_side = make_sides(model_cfg, train_cfg, mesh, rules)
   linen_state = linen.init(0)
   nnx_state = nnx_side.from_checkpoint(linen.to_checkpoint(linen_state))
+  of_leaf = lambda x: x.sharding
+  # NNX starts from Linen's state here; tests/test_sharding.py checks NNX's
+  # own init separately (once), which saves a compile per run.
+  init_shardings = (
+      bridge_state.linen_to_checkpoint_leaves(jax.tree.map(of_leaf, linen_state)),
+      bridge_state.nnx_to_checkpoint_leaves(jax.tree.map(of_leaf, nnx_state), nnx_side.layout),
+  )
   base = rng.base_key(0)
   batches = [as_jax_batch(data.make_batch(model_cfg, train_cfg, s)) for s in range(steps)]
   annotations = (
-      sharding_annotations(linen.lower_train_step(linen_state, batches[0], base)),
-      sharding_annotations(nnx_side.lower_train_step(nnx_state, batches[0], base)),
+      sharding_annotations(linen.lower_train_step(linen_state, batches[0], base), True),
+      sharding_annotations(nnx_side.lower_train_step(nnx_state, batches[0], base), True),
   )
   losses = ([], [])
   for batch in batches:
@@ -70,11 +78,11 @@ def train_on_mesh(
     nnx_state, nnx_metrics = nnx_side.train_step(nnx_state, batch, base)
     losses[0].append(linen_metrics['loss'])
     losses[1].append(nnx_metrics['loss'])
-  of_leaf = lambda x: x.sharding
   return MeshRun(
       linen=SideOnMesh(
           losses[0],
           linen.to_checkpoint(linen_state),
+          init_shardings[0],
           bridge_state.linen_to_checkpoint_leaves(jax.tree.map(of_leaf, linen_state)),
           linen.checkpoint_shardings() if mesh is not None else {},
           annotations[0],
@@ -82,6 +90,7 @@ def train_on_mesh(
       nnx=SideOnMesh(
           losses[1],
           nnx_side.to_checkpoint(nnx_state),
+          init_shardings[1],
           bridge_state.nnx_to_checkpoint_leaves(jax.tree.map(of_leaf, nnx_state), nnx_side.layout),
           nnx_side.checkpoint_shardings() if mesh is not None else {},
           annotations[1],

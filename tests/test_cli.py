@@ -32,21 +32,77 @@ def test_specs_json_reproduces_the_design_table(capsys):
     assert {r['dtype'] for r in out[side]} == {'float32'}
 
 
+SIDE_KEYS = ('losses', 'loss_hex', 'step_times', 'compile_s', 'checkpoint_s', 'avg_step_s',
+             'tokens_per_s', 'tflops_per_s', 'memory')
+
+
 def test_compare_reports_bit_identical(capsys, tmp_path):
-  report = tmp_path / 'report.json'
-  assert cli.main(['compare', '--steps', '2', '--json', str(report)]) == 0
-  assert 'verdict: bit-identical' in capsys.readouterr().out
-  data = json.loads(report.read_text())
+  files = {'json': tmp_path / 'report.json', 'markdown': tmp_path / 'report.md',
+           'plot': tmp_path / 'losses.png'}
+  argv = ['compare', '--steps', '3', '--checkpoint-every', '2']
+  for option, path in files.items():
+    argv += [f'--{option}', str(path)]
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  assert 'Diff (NNX − Linen)' in out and 'equal bits' in out
+  assert 'verdict: bit-identical' in out
+  data = json.loads(files['json'].read_text())
   assert data['bitwise_equal'] is True
   assert data['first_divergent_step'] is None
-  assert len(data['linen']['losses']) == 2
+  assert isinstance(data['programs_identical'], bool)
+  for side in ('linen', 'nnx'):
+    assert set(SIDE_KEYS) <= set(data[side])
+    assert len(data[side]['step_times']) == 3
+    assert len(data[side]['checkpoint_s']) == 1  # after step 1
+    assert data[side]['memory']['temp_bytes'] > 0
+  assert data['linen']['loss_hex'] == data['nnx']['loss_hex']
   assert data['linen']['losses'] == data['nnx']['losses']
+  markdown = files['markdown'].read_text()
+  assert '| Metric | Linen | NNX | Diff (NNX − Linen) |' in markdown
+  assert '| step | Linen loss | NNX loss | equal bits | Linen s | NNX s |' in markdown
+  assert files['plot'].read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_compare_exits_1_and_says_where_the_sides_diverge(capsys, monkeypatch, tmp_path):
+  """The NNX side receives a state with the embedding nudged: a real divergence at step 0."""
+  from parity import runner
+
+  class Nudged:
+    """The NNX side, receiving the state with its embedding scaled by 1.01."""
+
+    def __init__(self, side):
+      self._side = side
+
+    def __getattr__(self, name):
+      return getattr(self._side, name)
+
+    def from_checkpoint(self, flat):
+      path = 'params/params/token_embedder/embedding'
+      return self._side.from_checkpoint({**flat, path: flat[path] * 1.01})
+
+  sides_for = runner.sides_for
+  monkeypatch.setattr(
+      runner, 'sides_for', lambda *a: (lambda l, n: (l, Nudged(n)))(*sides_for(*a))
+  )
+  report = tmp_path / 'report.json'
+  assert cli.main(['compare', '--steps', '2', '--json', str(report)]) == 1
+  out = capsys.readouterr().out
+  assert 'first divergent step: 0' in out
+  assert 'verdict: DIVERGED at step 0' in out
+  data = json.loads(report.read_text())
+  assert data['bitwise_equal'] is False and data['first_divergent_step'] == 0
+  assert data['linen']['loss_hex'][0] != data['nnx']['loss_hex'][0]
 
 
 @pytest.mark.parametrize('argv, message', [
     (['compare', '--preset', 'huge'], "unknown preset 'huge'"),
     (['specs', '--mesh', 'fsdp=3,tensor=x'], 'bad mesh spec'),
     (['compare', '--steps', '0'], '--steps must be at least 1'),
+    (['compare', '--scenario', '99_nope'], "unknown scenario '99_nope'"),
+    (['compare', '--mesh', 'fsdp=3'], "mesh 'fsdp=3' needs 3 devices, but 8 are available"),
+    (['compare', '--mesh', 'fsdp=2,pipeline=4'], 'bad mesh spec'),
+    (['compare', '--checkpoint-every', '-1'], '--checkpoint-every must be 0'),
+    (['compare', '--json', '/nonexistent/dir/report.json'], 'does not exist'),
 ])
 def test_bad_input_exits_2_with_one_message(capsys, argv, message):
   assert cli.main(argv) == 2

@@ -6,6 +6,8 @@ side-by-side comparison cannot. XLA's CPU code generation differs between jax
 minor versions, so there is one record per jax minor version; a version with
 no record fails and says how to create it.
 """
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -14,10 +16,13 @@ from bridge.layout import layout_for
 from models import data, rng
 from models.config import SCENARIOS, get_configs, replace
 from parity import tables
+from parity.bitwise import assert_bitwise_equal
 from parity.runner import run_compare
 from parity.sides import as_jax_batch, make_sides
-from tests.golden import check_golden
+from tests.golden import GOLDEN_DIR, check_golden
+from tests.runs import STEPS
 from tests.runs import tiny_run as _run
+
 JAX_MINOR = '.'.join(jax.__version__.split('.')[:2])
 
 
@@ -104,3 +109,132 @@ def test_grad_accum_matches_one_big_batch_within_bound():
     bound = 1e-5 if step < 2 else 1e-3
     assert abs(a - b) <= bound * abs(a), (step, a, b)
   assert one[:3] != four, 'accumulation did not change the reduction at all: is it running?'
+
+
+def _golden_losses(scenario):
+  """The recorded per-step loss hex strings of `scenario` for this jax version."""
+  path = GOLDEN_DIR / 'losses' / f'jax-{JAX_MINOR}' / f'{scenario}.txt'
+  if not path.exists():
+    pytest.skip(f'no golden loss record {path.name} for jax {JAX_MINOR}')
+  return [line.split()[1] for line in path.read_text().splitlines()]
+
+
+def test_remat_policies_agree():
+  """Remat policies: `full` and `save_dots` bitwise equal; no remat equal up to XLA excess precision.
+
+  Checked on the golden loss records, which test_scenario_trains_bit_identically
+  ties to the code (so this costs no run). `full` and `save_dots` are bitwise
+  equal over all 10 steps, and equal to no remat while the parameters are the
+  same (steps 0 and 1: the learning rate is 0 at step 0), so the forward pass
+  is bitwise too. From step 2 on, no remat differs from remat: on CPU, XLA
+  computes chains of bfloat16 elementwise ops inside a fusion in float32 and
+  rounds once at the fusion's end (`xla_allow_excess_precision`, on by
+  default), and remat moves fusion boundaries in the backward pass. At the
+  first step one element of the embedding's gradient differs (by one
+  bfloat16 rounding, jax 0.10 and 0.12 alike); with
+  XLA_FLAGS=--xla_allow_excess_precision=false the gradients with and
+  without remat are bitwise equal. The bound (2**-10 relative, measured
+  below 2**-13) allows that rounding carried through 8 Adam steps, not a
+  remat that recomputes something else.
+  """
+  none, full, save_dots = (
+      _golden_losses(s) for s in ('01_baseline', '04_remat', '04_remat_save_dots')
+  )
+  assert full == save_dots
+  assert none[:2] == full[:2]
+  for step, (a, b) in enumerate(zip(none, full)):
+    a, b = float.fromhex(a), float.fromhex(b)
+    assert abs(a - b) <= 2.0**-10 * abs(a), (step, a, b)
+
+
+EVAL_SCENARIO = '07_eval'
+
+
+@functools.cache
+def _eval_run():
+  """07_eval: both sides train 10 steps; every `eval_every` steps both evaluate.
+
+  Returns (per-side train losses, eval rounds, held-out batches). Each round
+  is (after how many steps, [(linen, nnx) metrics per held-out batch], both
+  states in the checkpoint layout before the round, and after it).
+  """
+  model_cfg, train_cfg = get_configs('tiny', EVAL_SCENARIO)
+  linen, nnx_side = make_sides(model_cfg, train_cfg)
+  linen_state = linen.init(0)
+  nnx_state = nnx_side.from_checkpoint(linen.to_checkpoint(linen_state))
+  base = rng.base_key(0)
+  held_out = [
+      as_jax_batch(data.make_batch(model_cfg, train_cfg, i, split='eval'))
+      for i in range(train_cfg.eval_batches)
+  ]
+  losses, rounds = ([], []), []
+  for step in range(STEPS):
+    batch = as_jax_batch(data.make_batch(model_cfg, train_cfg, step))
+    linen_state, linen_metrics = linen.train_step(linen_state, batch, base)
+    nnx_state, nnx_metrics = nnx_side.train_step(nnx_state, batch, base)
+    losses[0].append(linen_metrics['loss'])
+    losses[1].append(nnx_metrics['loss'])
+    if (step + 1) % train_cfg.eval_every:
+      continue
+    before = (linen.to_checkpoint(linen_state), nnx_side.to_checkpoint(nnx_state))
+    metrics = [
+        (linen.eval_step(linen_state, b), nnx_side.eval_step(nnx_state, b)) for b in held_out
+    ]
+    after = (linen.to_checkpoint(linen_state), nnx_side.to_checkpoint(nnx_state))
+    rounds.append((step + 1, metrics, before, after))
+  return losses, rounds, held_out
+
+
+def _hex(x):
+  return float(np.asarray(x, np.float32)).hex()
+
+
+@pytest.mark.parametrize('scenario', [EVAL_SCENARIO])  # its xdist group
+def test_eval_between_train_steps_bitwise(scenario):
+  """Eval metrics on the held-out batches equal bit for bit; a golden records them."""
+  del scenario
+  _, rounds, held_out = _eval_run()
+  model_cfg, train_cfg = get_configs('tiny', EVAL_SCENARIO)
+  assert len(rounds) == STEPS // train_cfg.eval_every
+  lines = []
+  for after_step, metrics, _, _ in rounds:
+    for i, (linen_metrics, nnx_metrics) in enumerate(metrics):
+      assert_bitwise_equal(linen_metrics, nnx_metrics, f'eval after step {after_step}, batch {i}')
+      real = int((np.asarray(held_out[i]['segment_ids']) != 0).sum())
+      assert float(linen_metrics['tokens']) == real
+      assert 0.0 <= float(linen_metrics['accuracy']) <= 1.0
+      lines.append(
+          f"{after_step} {i} loss={_hex(linen_metrics['loss'])}"
+          f" accuracy={_hex(linen_metrics['accuracy'])} tokens={real}\n"
+      )
+  # Training moves the eval loss; held-out batches are not training batches.
+  assert len({line.split()[2] for line in lines}) == len(lines)
+  train_batch = data.make_batch(model_cfg, train_cfg, 0)
+  assert not np.array_equal(np.asarray(held_out[0]['inputs']), train_batch['inputs'])
+  check_golden(f'losses/jax-{JAX_MINOR}/{EVAL_SCENARIO}.eval.txt', ''.join(lines))
+
+
+@pytest.mark.parametrize('scenario', [EVAL_SCENARIO])
+def test_eval_changes_nothing_and_has_dropout_off(scenario):
+  """Eval leaves the state alone, training around it is unchanged, dropout is off.
+
+  The state is bitwise the same before and after each eval round, and the
+  train losses with eval rounds in between equal the scenario's golden record
+  (written by the side-by-side runner, which trains without eval). The
+  scenario trains with dropout 0.1; eval must not: its metrics equal those of
+  the same state evaluated by a dropout-free config.
+  """
+  losses, rounds, held_out = _eval_run()
+  for after_step, _, before, after in rounds:
+    assert_bitwise_equal(before, after, f'train state across the eval after step {after_step}')
+  assert [_hex(x) for x in losses[0]] == [_hex(x) for x in losses[1]]
+  assert [_hex(x) for x in losses[0]] == _golden_losses(EVAL_SCENARIO)
+  model_cfg, train_cfg = get_configs('tiny', EVAL_SCENARIO)
+  assert model_cfg.dropout_rate > 0
+  _, metrics, before, _ = rounds[-1]
+  for side in make_sides(replace(model_cfg, dropout_rate=0.0), train_cfg):
+    state = side.from_checkpoint(before[0])
+    for i, batch in enumerate(held_out):
+      assert_bitwise_equal(
+          side.eval_step(state, batch), metrics[i][0], f'{side.name} eval without dropout, batch {i}'
+      )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+from flax.linen import fp8_ops
 
 from models import rng
 from models.config import ModelConfig
@@ -66,7 +67,11 @@ class Decoder(nn.Module):
     if cfg.scan_layers:
       stack = nn.scan(
           layer_cls,
-          variable_axes={'params': cfg.param_scan_axis},
+          # fp8 scaling state (if any) is stacked like the parameters.
+          variable_axes={
+              'params': cfg.param_scan_axis,
+              fp8_ops.OVERWRITE_WITH_GRADIENT: cfg.param_scan_axis,
+          },
           split_rngs={'params': True},
           in_axes=(nn.broadcast, nn.broadcast, 0),
           length=cfg.num_layers,

@@ -1,4 +1,4 @@
-"""Linen building blocks: dense, embedding, RMSNorm, RoPE, dropout, attention, MLP.
+"""Linen building blocks: dense (optionally fp8), embedding, RMSNorm, RoPE, dropout, attention, MLP.
 
 Mirrors models/nnx/layers.py class for class. Parameters carry logical axes
 through `nn.with_logical_partitioning`; activations through
@@ -10,6 +10,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen import fp8_ops
 
 from models import rng
 from models.config import ModelConfig
@@ -46,7 +47,14 @@ class DenseGeneral(nn.Module):
     )
     dtype = jnp.dtype(self.config.activation_dtype)
     contract_x = tuple(range(x.ndim - n_in, x.ndim))
-    return jax.lax.dot_general(
+    dot_general = jax.lax.dot_general
+    if self.config.quantization == 'fp8':
+      # flax's op keeps its scales and amax histories in the
+      # `_overwrite_with_gradient` collection (see train.TrainState.fp8_meta).
+      dot_general = fp8_ops.Fp8DirectDotGeneralOp(
+          amax_history_length=self.config.fp8_amax_history_length, name='dot_general'
+      )
+    return dot_general(
         x.astype(dtype),
         kernel.astype(dtype),
         ((contract_x, tuple(range(n_in))), ((), ())),

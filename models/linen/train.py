@@ -1,24 +1,51 @@
 """Linen train state, loss, optimizer wiring, train and eval steps.
 
 Mirrors models/nnx/train.py. The train state is flax's `TrainState` holding
-the whole variables dict, so its parameter paths read `params/params/...`.
-Steps are built once per config (`functools.cache`) and jitted once.
+the parameters' variables dict, so its parameter paths read `params/params/...`,
+plus the fp8 scaling state (`fp8_meta`, empty without fp8). Steps are built
+once per config (`functools.cache`) and jitted once.
 """
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
+from flax.linen import fp8_ops
 from flax.training import train_state
 
 from models import rng
 from models.config import ModelConfig, TrainConfig
 from models.linen.decoder import Transformer
 
-TrainState = train_state.TrainState
+FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
+
+
+class TrainState(train_state.TrainState):
+  """flax's TrainState plus `fp8_meta`: the `_overwrite_with_gradient` collection.
+
+  flax's own TrainState can carry that collection inside `params` (its
+  `apply_gradients` skips it), but then the optimizer state mirrors
+  `params['params']` rather than `params`, and the checkpoint paths of Adam's
+  moments would depend on the scenario. A field of its own keeps `params` =
+  `{'params': ...}` and the optimizer state as in every other scenario; it is
+  an empty dict (no leaves) without fp8.
+  """
+
+  fp8_meta: Any = struct.field(pytree_node=True, default_factory=dict)
+
+
+def model_variables(state: TrainState) -> dict[str, Any]:
+  """The variables dict `Transformer.apply` takes: parameters plus any fp8 state."""
+  return _variables(state.params, state.fp8_meta)
+
+
+def _variables(params, fp8_meta):
+  return {**params, FP8_COLLECTION: fp8_meta} if fp8_meta else params
 
 
 def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
@@ -43,7 +70,11 @@ def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 def init_variables(model_cfg: ModelConfig, train_cfg: TrainConfig, seed: int):
-  """Boxed (logically partitioned) variables; wrap in jax.eval_shape for shapes only."""
+  """Boxed (logically partitioned) variables; wrap in jax.eval_shape for shapes only.
+
+  With fp8 they include the `_overwrite_with_gradient` collection (not boxed:
+  the scaling state is replicated).
+  """
   shape = (1, train_cfg.seq_len)
   tokens = jnp.zeros(shape, jnp.int32)
   return Transformer(model_cfg).init(
@@ -57,16 +88,20 @@ def create_train_state(
 ) -> TrainState:
   """A TrainState over the variables dict (`{'params': ...}`), unboxed by default.
 
+  The fp8 collection, if any, goes to `fp8_meta`, out of the optimizer's reach.
+
   With `unbox=False` (under `jax.eval_shape`) the optimizer state inherits
   the parameters' logical-axis boxes, so `nn.get_partition_spec` gives the
   whole state's specs: the usual way to derive a Linen state's shardings.
   The step is an int32 array from the start (not a Python int), so the
   state's tree and the checkpoint layout do not change after the first step.
   """
+  variables = nn.unbox(variables) if unbox else variables
   state = TrainState.create(
       apply_fn=Transformer(model_cfg).apply,
-      params=nn.unbox(variables) if unbox else variables,
+      params={k: v for k, v in variables.items() if k != FP8_COLLECTION},
       tx=make_optimizer(train_cfg),
+      fp8_meta=variables.get(FP8_COLLECTION, {}),
   )
   return state.replace(step=jnp.zeros((), jnp.int32))
 
@@ -87,8 +122,8 @@ def _forward(model_cfg: ModelConfig, variables, batch, dropout_key, deterministi
   )
 
 
-def _loss_sum(model_cfg, train_cfg, variables, batch, dropout_key):
-  logits_BLV = _forward(model_cfg, variables, batch, dropout_key)
+def _loss_sum(model_cfg, train_cfg, params, fp8_meta, batch, dropout_key):
+  logits_BLV = _forward(model_cfg, _variables(params, fp8_meta), batch, dropout_key)
   weights_BL = (batch['segment_ids'] != 0).astype(jnp.float32)
   loss_sum, z_sum = cross_entropy_loss(
       logits_BLV, batch['targets'], weights_BL, train_cfg.z_loss_weight
@@ -103,21 +138,33 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
   Gradients are sums over real tokens, accumulated over microbatches with a
   scan, then divided by the total token count: every token weighs the same
   however the batch is split.
+
+  fp8 (delayed scaling): the fp8 ops' backward passes return each scale's and
+  amax history's next value as its "gradient". That value replaces the state
+  as is: it is not divided by the token count and the optimizer never sees it.
   """
   grad_fn = jax.value_and_grad(
-      functools.partial(_loss_sum, model_cfg, train_cfg), has_aux=True
+      functools.partial(_loss_sum, model_cfg, train_cfg), argnums=(0, 1), has_aux=True
   )
   accum = train_cfg.grad_accum_steps
+  if accum > 1 and model_cfg.quantization == 'fp8':
+    raise NotImplementedError(
+        'fp8 with gradient accumulation: the scaling state of each microbatch would be'
+        ' summed, not overwritten'
+    )
 
-  def microbatch_grads(params, batch, dropout_base, step, microbatch):
-    key = rng.step_key(dropout_base, step, microbatch)
-    (loss_sum, (z_sum, tokens)), grads = grad_fn(params, batch, key)
-    return grads, loss_sum, z_sum, tokens
+  def microbatch_grads(state, batch, dropout_base, microbatch):
+    """((grads, loss_sum, z_sum, tokens), next fp8 state) of one microbatch."""
+    key = rng.step_key(dropout_base, state.step, microbatch)
+    (loss_sum, (z_sum, tokens)), (grads, fp8_meta) = grad_fn(
+        state.params, state.fp8_meta, batch, key
+    )
+    return (grads, loss_sum, z_sum, tokens), fp8_meta
 
   def train_step(state: TrainState, batch, dropout_base):
     if accum == 1:
-      grads, loss_sum, z_sum, tokens = microbatch_grads(
-          state.params, batch, dropout_base, state.step, 0
+      (grads, loss_sum, z_sum, tokens), fp8_meta = microbatch_grads(
+          state, batch, dropout_base, 0
       )
     else:
       microbatches = jax.tree.map(
@@ -126,7 +173,7 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
 
       def accumulate(carry, inputs):
         microbatch, index = inputs
-        out = microbatch_grads(state.params, microbatch, dropout_base, state.step, index)
+        out, _ = microbatch_grads(state, microbatch, dropout_base, index)
         return jax.tree.map(jnp.add, carry, out), None
 
       zero = jnp.zeros((), jnp.float32)
@@ -134,8 +181,9 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
       (grads, loss_sum, z_sum, tokens), _ = jax.lax.scan(
           accumulate, init, (microbatches, jnp.arange(accum, dtype=jnp.uint32))
       )
+      fp8_meta = state.fp8_meta  # empty: fp8 is refused with accumulation
     grads = jax.tree.map(lambda g: (g / tokens).astype(g.dtype), grads)
-    new_state = state.apply_gradients(grads=grads)
+    new_state = state.apply_gradients(grads=grads, fp8_meta=fp8_meta)
     metrics = {'loss': loss_sum / tokens, 'z_loss': z_sum / tokens, 'tokens': tokens}
     return new_state, metrics
 
@@ -144,10 +192,18 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
 
 @functools.cache
 def make_eval_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
-  """The jitted `eval_step(params, batch) -> {loss, accuracy, tokens}` (dropout off)."""
+  """The jitted `eval_step(state, batch) -> {loss, accuracy, tokens}` (dropout off).
 
-  def eval_step(params, batch):
-    logits_BLV = _forward(model_cfg, params, batch, jnp.zeros((2,), jnp.uint32), True)
+  Mean loss (cross-entropy plus z-loss, as trained) and the fraction of real
+  tokens whose argmax prediction is the target, both over real tokens, and
+  their count. Reads the state, returns nothing of it: no parameter or fp8
+  state changes.
+  """
+
+  def eval_step(state: TrainState, batch):
+    logits_BLV = _forward(
+        model_cfg, model_variables(state), batch, jnp.zeros((2,), jnp.uint32), True
+    )
     weights_BL = (batch['segment_ids'] != 0).astype(jnp.float32)
     loss_sum, _ = cross_entropy_loss(
         logits_BLV, batch['targets'], weights_BL, train_cfg.z_loss_weight
@@ -165,7 +221,15 @@ def make_eval_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
 
 @functools.cache
 def make_loss_and_grad(model_cfg: ModelConfig, train_cfg: TrainConfig):
-  """The jitted `(params, batch, dropout_key) -> ((loss_sum, (z_sum, tokens)), grads)`."""
-  return jax.jit(
-      jax.value_and_grad(functools.partial(_loss_sum, model_cfg, train_cfg), has_aux=True)
+  """The jitted `(state, batch, dropout_key) -> ((loss_sum, (z_sum, tokens)), grads)`.
+
+  Gradients of the parameters only (`{'params': ...}`), as the optimizer gets them.
+  """
+  grad_fn = jax.value_and_grad(
+      functools.partial(_loss_sum, model_cfg, train_cfg), has_aux=True
   )
+
+  def loss_and_grad(state: TrainState, batch, dropout_key):
+    return grad_fn(state.params, state.fp8_meta, batch, dropout_key)
+
+  return jax.jit(loss_and_grad)

@@ -1,4 +1,4 @@
-"""NNX building blocks: dense, embedding, RMSNorm, RoPE, dropout, attention, MLP.
+"""NNX building blocks: dense (optionally fp8), embedding, RMSNorm, RoPE, dropout, attention, MLP.
 
 Mirrors models/linen/layers.py class for class. Submodules are attributes
 named as the Linen submodules, so parameter paths are the same. Parameters
@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.linen import fp8_ops
 from flax.linen import spmd as flax_spmd
 
 from models import compat, rng
@@ -42,6 +43,53 @@ def kernel_init(in_axis, out_axis) -> jax.nn.initializers.Initializer:
   )
 
 
+class Fp8Meta(nnx.Variable):
+  """fp8 delayed-scaling state: an amax history or a scale.
+
+  Not a parameter: the train step overwrites it with its "gradient" (the
+  next value, which the fp8 op's backward pass returns for it) and the
+  optimizer (`wrt=nnx.Param`) never sees it. No sharding metadata: it is
+  replicated on a mesh, like Linen's unboxed `_overwrite_with_gradient`.
+  """
+
+
+class Fp8DotGeneral(nnx.Module):
+  """fp8 dot product with delayed scaling (e4m3 forward, e5m2 gradients).
+
+  The state and math of flax's `Fp8DirectDotGeneralOp` (which the Linen side
+  uses), with its state held in `Fp8Meta` variables. The op itself,
+  `fp8_ops.fp8_scaled_dot_general`, is a stateless function with a custom
+  VJP, shared as `jax.lax.dot_general` is.
+  """
+
+  def __init__(self, amax_history_length: int):
+    history = jnp.zeros((amax_history_length,), jnp.float32)
+    scale = jnp.ones((1,), jnp.float32)
+    self.input_amax_history = Fp8Meta(history)
+    self.kernel_amax_history = Fp8Meta(history)
+    self.output_grad_amax_history = Fp8Meta(history)
+    self.input_scale = Fp8Meta(scale)
+    self.kernel_scale = Fp8Meta(scale)
+    self.output_grad_scale = Fp8Meta(scale)
+
+  def __call__(self, x: jax.Array, kernel: jax.Array, dimension_numbers) -> jax.Array:
+    dtype = kernel.dtype
+    x = x.astype(dtype)
+    return fp8_ops.fp8_scaled_dot_general(
+        x,
+        kernel,
+        dimension_numbers,
+        preferred_element_type=dtype,
+        lhs_scale=self.input_scale[...],
+        rhs_scale=self.kernel_scale[...],
+        grad_scale=self.output_grad_scale[...],
+        lhs_amax_history=self.input_amax_history[...],
+        rhs_amax_history=self.kernel_amax_history[...],
+        grad_amax_history=self.output_grad_amax_history[...],
+        quantize_compute_type=dtype,
+    )
+
+
 class DenseGeneral(nnx.Module):
   """y = x . kernel over the trailing `len(in_features)` axes of x."""
 
@@ -62,11 +110,16 @@ class DenseGeneral(nnx.Module):
         init(rngs.params(), in_features + out_features, jnp.dtype(config.weight_dtype)),
         logical_axes,
     )
+    if config.quantization == 'fp8':
+      self.dot_general = Fp8DotGeneral(config.fp8_amax_history_length)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dtype = jnp.dtype(self.config.activation_dtype)
     contract_x = tuple(range(x.ndim - self.n_in, x.ndim))
-    return jax.lax.dot_general(
+    dot_general = jax.lax.dot_general
+    if self.config.quantization == 'fp8':
+      dot_general = self.dot_general
+    return dot_general(
         x.astype(dtype),
         self.kernel[...].astype(dtype),
         ((contract_x, tuple(range(self.n_in))), ((), ())),

@@ -17,6 +17,7 @@ from flax import nnx
 from models import rng
 from models.config import ModelConfig, TrainConfig
 from models.nnx.decoder import Transformer
+from models.nnx.layers import Fp8Meta
 
 
 def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
@@ -82,21 +83,39 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
   Gradients are sums over real tokens, accumulated over microbatches with a
   scan, then divided by the total token count: every token weighs the same
   however the batch is split.
+
+  fp8 (delayed scaling): the `Fp8Meta` variables are differentiated too; the
+  fp8 ops' backward passes return each scale's and amax history's next value
+  as its "gradient". That value overwrites the variable as is: it is not
+  divided by the token count, and the optimizer (`wrt=nnx.Param`) gets only
+  the parameters' gradients.
   """
-  del model_cfg  # the graphdef carries it
-  grad_fn = nnx.value_and_grad(functools.partial(_loss_sum, train_cfg), has_aux=True)
+  grad_fn = nnx.value_and_grad(
+      functools.partial(_loss_sum, train_cfg),
+      argnums=nnx.DiffState(0, nnx.Any(nnx.Param, Fp8Meta)),
+      has_aux=True,
+  )
   accum = train_cfg.grad_accum_steps
+  if accum > 1 and model_cfg.quantization == 'fp8':
+    raise NotImplementedError(
+        'fp8 with gradient accumulation: the scaling state of each microbatch would be'
+        ' summed, not overwritten'
+    )
 
   def microbatch_grads(model, batch, dropout_base, step, microbatch):
+    """((grads, loss_sum, z_sum, tokens), next fp8 state) of one microbatch."""
     key = rng.step_key(dropout_base, step, microbatch)
     (loss_sum, (z_sum, tokens)), grads = grad_fn(model, batch, key)
-    return grads, loss_sum, z_sum, tokens
+    grads, fp8_meta = nnx.split_state(grads, nnx.Param, Fp8Meta)
+    return (grads, loss_sum, z_sum, tokens), fp8_meta
 
   def train_step(graphdef, state, batch, dropout_base):
     model, optimizer = nnx.merge(graphdef, state)
     step = optimizer.step[...]
     if accum == 1:
-      grads, loss_sum, z_sum, tokens = microbatch_grads(model, batch, dropout_base, step, 0)
+      (grads, loss_sum, z_sum, tokens), fp8_meta = microbatch_grads(
+          model, batch, dropout_base, step, 0
+      )
     else:
       microbatches = jax.tree.map(
           lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch
@@ -108,7 +127,7 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
 
       def accumulate(carry, inputs):
         microbatch, index = inputs
-        out = microbatch_grads(
+        out, _ = microbatch_grads(
             nnx.merge(model_def, model_state), microbatch, dropout_base, step, index
         )
         return jax.tree.map(jnp.add, carry, out), None
@@ -118,8 +137,10 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
       (grads, loss_sum, z_sum, tokens), _ = jax.lax.scan(
           accumulate, init, (microbatches, jnp.arange(accum, dtype=jnp.uint32))
       )
+      fp8_meta = nnx.state(model, Fp8Meta)  # empty: fp8 is refused with accumulation
     grads = jax.tree.map(lambda g: (g / tokens).astype(g.dtype), grads)
     optimizer.update(model, grads)
+    nnx.update(model, fp8_meta)
     metrics = {'loss': loss_sum / tokens, 'z_loss': z_sum / tokens, 'tokens': tokens}
     return nnx.state((model, optimizer)), metrics
 
@@ -128,7 +149,13 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
 
 @functools.cache
 def make_eval_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
-  """The jitted `eval_step(graphdef, state, batch) -> {loss, accuracy, tokens}` (dropout off)."""
+  """The jitted `eval_step(graphdef, state, batch) -> {loss, accuracy, tokens}` (dropout off).
+
+  Mean loss (cross-entropy plus z-loss, as trained) and the fraction of real
+  tokens whose argmax prediction is the target, both over real tokens, and
+  their count. Reads the state, returns nothing of it: no parameter or fp8
+  state changes.
+  """
   del model_cfg
 
   def eval_step(graphdef, state, batch):
