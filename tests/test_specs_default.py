@@ -2,7 +2,10 @@
 
 The golden `default_specs_fsdp8.txt` is the parameter table of DESIGN.md
 (path, dtype, shape, logical axes, physical axes on an fsdp=8 mesh), one
-sorted line per parameter; both sides must print exactly it.
+sorted line per parameter; both sides must print exactly it. The goldens for
+`fsdp=4,tensor=2` and `data=2,fsdp=2,tensor=2` are the same table on those
+meshes, and each side's actual target shardings on a real mesh of the 8 CPU
+devices (still eval_shape only) must be the golden physical column.
 """
 import pytest
 
@@ -57,3 +60,36 @@ def test_drift_report_names_parameter_and_both_specs(default_tables):
       "params/params/decoder/logits_dense/kernel: logical Linen ('embed_vocab','vocab')"
       " vs NNX ('embed','vocab')"
   ]
+
+
+OTHER_MESHES = {
+    'fsdp=4,tensor=2': 'default_specs_fsdp4_tensor2.txt',
+    'data=2,fsdp=2,tensor=2': 'default_specs_data2_fsdp2_tensor2.txt',
+}
+
+
+@pytest.mark.parametrize('mesh_spec', sorted(OTHER_MESHES))
+def test_default_tables_on_other_meshes_match_goldens(mesh_spec):
+  linen, nnx_side = make_sides(*get_preset('default'))
+  mesh_sizes = specs.parse_mesh_spec(mesh_spec)
+  linen_table = tables.format_table(tables.linen_rows(linen, mesh_sizes=mesh_sizes))
+  assert tables.format_table(tables.nnx_rows(nnx_side, mesh_sizes=mesh_sizes)) == linen_table
+  check_golden(OTHER_MESHES[mesh_spec], linen_table)
+
+
+@pytest.mark.parametrize('mesh_spec', ['fsdp=8', *sorted(OTHER_MESHES)])
+def test_default_target_shardings_are_the_table(mesh_spec):
+  """What the sides place on a real mesh is what the table prints."""
+  mesh_sizes = specs.parse_mesh_spec(mesh_spec)
+  sides = make_sides(*get_preset('default'), specs.make_mesh(mesh_spec))
+  rows = tables.linen_rows(make_sides(*get_preset('default'))[0], mesh_sizes=mesh_sizes)
+  for side in sides:
+    targets = side.checkpoint_shardings()
+    wrong = []
+    for row in rows:
+      got = [specs._drop_unit_axes(e, mesh_sizes) for e in targets[row['path']].spec]
+      got += [None] * (len(row['shape']) - len(got))
+      want = [tuple(e) if isinstance(e, list) else e for e in row['physical']]
+      if got != want:
+        wrong.append(f"{row['path']}: table {want}, {side.name} places {got}")
+    assert not wrong, '\n'.join(wrong)
