@@ -25,7 +25,7 @@
 # you read here is what the code does today.
 #
 # You need to know Linen; no NNX is assumed. Everything runs on CPU with the
-# `tiny` preset (2 layers, 64-wide, vocabulary 256) in about a minute.
+# `tiny` preset (2 layers, 64-wide, vocabulary 256) in well under a minute.
 #
 # | section | step | the check |
 # |---|---|---|

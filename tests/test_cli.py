@@ -1,8 +1,12 @@
 """The `parity` command line, run in-process (no new interpreter per test)."""
 import json
+import pathlib
+import shlex
 
 import pytest
 
+from bridge.specs import parse_mesh_spec
+from models.config import PRESETS, SCENARIOS
 from parity import cli
 
 DESIGN_TABLE = {
@@ -109,3 +113,29 @@ def test_bad_input_exits_2_with_one_message(capsys, argv, message):
   err = capsys.readouterr().err
   assert message in err
   assert len(err.strip().splitlines()) == 1
+
+
+def _readme_commands() -> list[str]:
+  """Every `parity ...` example line in README.md's code blocks (synopses left out)."""
+  readme = (pathlib.Path(__file__).parent.parent / 'README.md').read_text()
+  lines, in_block = [], False
+  for line in readme.splitlines():
+    if line.startswith('```'):
+      in_block = not in_block
+    elif in_block and line.startswith('parity ') and '[' not in line:
+      lines.append(line.split('#', 1)[0].strip())
+  return lines
+
+
+def test_readme_parity_commands_parse_with_valid_values():
+  """The README's examples use options the command has, with values it accepts."""
+  commands = _readme_commands()
+  assert len(commands) >= 12, commands
+  for command in commands:
+    args = cli.build_parser().parse_args(shlex.split(command)[1:])
+    if getattr(args, 'preset', None) is not None:
+      assert args.preset in PRESETS, command
+    if getattr(args, 'scenario', None) is not None:
+      assert args.scenario in SCENARIOS, command
+    if getattr(args, 'mesh', None) is not None:
+      parse_mesh_spec(args.mesh, num_devices=8)  # raises on a malformed spec
