@@ -1,6 +1,7 @@
 """The `parity` command line, run in-process (no new interpreter per test)."""
 import json
 import pathlib
+import re
 import shlex
 
 import pytest
@@ -122,8 +123,10 @@ def _readme_commands() -> list[str]:
   for line in readme.splitlines():
     if line.startswith('```'):
       in_block = not in_block
-    elif in_block and line.startswith('parity ') and '[' not in line:
-      lines.append(line.split('#', 1)[0].strip())
+    else:
+      command = re.sub(r'^(\w+=\S+\s+)*', '', line)  # environment assignments first
+      if in_block and command.startswith('parity ') and '[' not in command:
+        lines.append(command.split('#', 1)[0].strip())
   return lines
 
 
