@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from models import data, rng
 from models.config import get_preset
-from parity.sides import as_jax_batch, make_sides
+from parity.sides import make_sides
 
 
 @pytest.fixture(scope='session')
@@ -16,16 +15,6 @@ def tiny_cfgs():
 @pytest.fixture(scope='session')
 def tiny_sides(tiny_cfgs):
   return make_sides(*tiny_cfgs)
-
-
-@pytest.fixture(scope='session')
-def tiny_batch(tiny_cfgs):
-  return as_jax_batch(data.make_batch(*tiny_cfgs, step=0))
-
-
-@pytest.fixture(scope='session')
-def dropout_base():
-  return rng.base_key(0)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups

@@ -1,43 +1,74 @@
-"""The `tiny` preset: logits, loss, gradients, 10 training steps and eval, bit for bit.
+"""The `tiny` preset in every scenario: logits, loss, gradients and eval, bit for bit.
 
-One side is initialised and its state carried to the other by the bridge, in
-both directions. Every comparison is bitwise (parity.bitwise), no tolerance.
+One side is initialised and its state carried to the other by the bridge.
+Every comparison is bitwise (parity.bitwise), no tolerance. The 10-step
+training runs (both init directions, final parameters and optimizer state)
+and the spec tables of every scenario are in test_scenarios.py; here are the
+pieces a training run is made of, so a divergence is found where it starts.
+
+Dropout scenarios run the forward pass and the gradients with dropout on,
+from the same base key: the masks must agree too. In `06_grad_accum` the
+single-batch loss and gradients are compared (the accumulation scan is in the
+train step). In `05_fp8` the gradients include the fp8 scaling state's new
+values (what the train step overwrites that state with).
 """
+import functools
+
 import pytest
 
-from models import data
-from parity.bitwise import assert_bitwise_equal
-from parity.sides import as_jax_batch
 from bridge import train_state as bridge_state
+from models import data, rng
+from models.config import SCENARIOS, get_configs
+from parity.bitwise import assert_bitwise_equal
+from parity.sides import as_jax_batch, make_sides
 from tests.runs import STEPS, tiny_run
 
+SCENARIO_NAMES = sorted(SCENARIOS)
 
-@pytest.fixture(scope='module')
-def start(tiny_sides):
-  """(linen state, nnx state) holding the same Linen-initialised values."""
-  linen, nnx_side = tiny_sides
+
+@functools.cache
+def _start(scenario: str):
+  """Both sides and (linen state, nnx state) holding the same Linen-initialised values."""
+  model_cfg, train_cfg = get_configs('tiny', scenario)
+  linen, nnx_side = make_sides(model_cfg, train_cfg)
   linen_state = linen.init(0)
-  return linen_state, nnx_side.from_checkpoint(linen.to_checkpoint(linen_state))
+  nnx_state = nnx_side.from_checkpoint(linen.to_checkpoint(linen_state))
+  return (linen, nnx_side), (linen_state, nnx_state), (model_cfg, train_cfg)
 
 
-def test_logits_bitwise(tiny_sides, start, tiny_batch, dropout_base):
-  linen, nnx_side = tiny_sides
+def _batch(scenario: str, split: str = 'train'):
+  return as_jax_batch(data.make_batch(*get_configs('tiny', scenario), step=0, split=split))
+
+
+@pytest.mark.parametrize('scenario', SCENARIO_NAMES)
+def test_logits_bitwise(scenario):
+  (linen, nnx_side), (linen_state, nnx_state), _ = _start(scenario)
+  batch, key = _batch(scenario), rng.base_key(0)
   assert_bitwise_equal(
-      linen.forward(start[0], tiny_batch, dropout_base),
-      nnx_side.forward(start[1], tiny_batch, dropout_base),
-      'logits',
+      linen.forward(linen_state, batch, key), nnx_side.forward(nnx_state, batch, key), 'logits'
   )
 
 
-def test_loss_and_gradients_bitwise(tiny_sides, start, tiny_batch, dropout_base):
-  linen, nnx_side = tiny_sides
-  linen_loss, linen_grads = linen.loss_and_grad(start[0], tiny_batch, dropout_base)
-  nnx_loss, nnx_grads = nnx_side.loss_and_grad(start[1], tiny_batch, dropout_base)
+@pytest.mark.parametrize('scenario', SCENARIO_NAMES)
+def test_loss_and_gradients_bitwise(scenario):
+  (linen, nnx_side), (linen_state, nnx_state), _ = _start(scenario)
+  batch, key = _batch(scenario), rng.base_key(0)
+  linen_loss, linen_grads = linen.loss_and_grad(linen_state, batch, key)
+  nnx_loss, nnx_grads = nnx_side.loss_and_grad(nnx_state, batch, key)
   assert_bitwise_equal(linen_loss, nnx_loss, 'loss sums and token counts')
   nnx_grads_linen_tree = bridge_state.nnx_params_to_linen(
-      nnx_grads, start[0].params, nnx_side.layout
+      nnx_grads, linen_state.params, nnx_side.layout
   )
   assert_bitwise_equal(linen_grads, nnx_grads_linen_tree, 'gradients')
+
+
+@pytest.mark.parametrize('scenario', SCENARIO_NAMES)
+def test_eval_step_bitwise(scenario):
+  (linen, nnx_side), (linen_state, nnx_state), _ = _start(scenario)
+  batch = _batch(scenario, 'eval')
+  linen_metrics = linen.eval_step(linen_state, batch)
+  assert_bitwise_equal(linen_metrics, nnx_side.eval_step(nnx_state, batch), 'eval metrics')
+  assert float(linen_metrics['tokens']) == float((batch['segment_ids'] != 0).sum())
 
 
 @pytest.mark.parametrize('init_side', ['linen', 'nnx'])
@@ -50,24 +81,17 @@ def test_ten_steps_bitwise(init_side):
   assert len(set(result.linen.loss_hex)) == STEPS
 
 
-def test_final_state_bitwise_and_changed(tiny_sides, start, dropout_base, tiny_cfgs):
+def test_final_state_bitwise_and_changed():
   """Final params and optimizer state after 3 steps, compared leaf by leaf."""
-  linen, nnx_side = tiny_sides
-  linen_state, nnx_state = start
+  (linen, nnx_side), (linen_state, nnx_state), cfgs = _start('01_baseline')
+  initial = linen.to_checkpoint(linen_state)
+  key = rng.base_key(0)
   for step in range(3):
-    batch = as_jax_batch(data.make_batch(*tiny_cfgs, step=step))
-    linen_state, _ = linen.train_step(linen_state, batch, dropout_base)
-    nnx_state, _ = nnx_side.train_step(nnx_state, batch, dropout_base)
+    batch = as_jax_batch(data.make_batch(*cfgs, step=step))
+    linen_state, _ = linen.train_step(linen_state, batch, key)
+    nnx_state, _ = nnx_side.train_step(nnx_state, batch, key)
   final = linen.to_checkpoint(linen_state)
   assert_bitwise_equal(final, nnx_side.to_checkpoint(nnx_state), 'final train state')
   assert int(final['step']) == 3
   with pytest.raises(AssertionError):
-    assert_bitwise_equal(final, linen.to_checkpoint(start[0]), 'trained vs initial')
-
-
-def test_eval_step_bitwise(tiny_sides, start, tiny_cfgs):
-  linen, nnx_side = tiny_sides
-  batch = as_jax_batch(data.make_batch(*tiny_cfgs, step=0, split='eval'))
-  linen_metrics = linen.eval_step(start[0], batch)
-  assert_bitwise_equal(linen_metrics, nnx_side.eval_step(start[1], batch), 'eval metrics')
-  assert float(linen_metrics['tokens']) == float((batch['segment_ids'] != 0).sum())
+    assert_bitwise_equal(final, initial, 'trained vs initial')
