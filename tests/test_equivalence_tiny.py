@@ -9,8 +9,9 @@ pieces a training run is made of, so a divergence is found where it starts.
 Dropout scenarios run the forward pass and the gradients with dropout on,
 from the same base key: the masks must agree too. In `06_grad_accum` the
 single-batch loss and gradients are compared (the accumulation scan is in the
-train step). In `05_fp8` the gradients include the fp8 scaling state's new
-values (what the train step overwrites that state with).
+train step). Gradients are the parameters' (what the optimizer gets); in
+`05_fp8` the scaling state the train step overwrites is followed step by
+step in test_fp8.py.
 """
 import functools
 
