@@ -19,7 +19,7 @@ tests of one scenario share an xdist group, so they run in one worker.
 Matrix: by default every scenario on the 3-axis mesh `data=2,fsdp=2,tensor=2`,
 the baseline on all four meshes, and gradient accumulation with dropout on
 `fsdp=8` as well; `--full-mesh-matrix` trains every scenario on every mesh
-(about 12 s of CPU per pair, 44 pairs, so it is left out of the default
+(about 15 s of CPU per pair uncached, 44 pairs, so it is left out of the default
 suite's time budget).
 """
 from __future__ import annotations
