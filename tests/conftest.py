@@ -41,7 +41,7 @@ def pytest_collection_finish(session):
   xdist sends a group to one worker by suffixing the test id with `@group`.
   Where that does not take effect (pytest-dev/pytest-xdist#1386: pytest 9.2
   with xdist 3.8), workers would repeat each other's compilations and runs
-  and the suite would silently take longer (13% here on 2 cores).
+  and the suite would silently take longer.
   """
   if not getattr(session.config.option, 'loadgroup', False):
     return
