@@ -108,7 +108,15 @@ def physical_spec(
 ) -> tuple[Any, ...]:
   """Mesh axes per array axis; mesh axes of size 1 dropped (printed form)."""
   spec = nn.logical_to_mesh_axes(tuple(logical), list(rules))
-  return tuple(_drop_unit_axes(entry, mesh_sizes) for entry in spec)
+  return printed_spec(spec, mesh_sizes, len(logical))
+
+
+def printed_spec(
+    spec: Sequence[Any], mesh_sizes: Mapping[str, int], ndim: int
+) -> tuple[Any, ...]:
+  """A partition spec in the tables' form: mesh axes of size 1 dropped, one entry per array axis."""
+  entries = tuple(_drop_unit_axes(entry, mesh_sizes) for entry in spec)
+  return entries + (None,) * (ndim - len(entries))
 
 
 def _drop_unit_axes(entry: Any, mesh_sizes: Mapping[str, int]) -> Any:

@@ -37,6 +37,19 @@ def nnx_rows(side: NnxSide, rules=specs.DEFAULT_RULES, mesh_sizes=None) -> list[
   return _rows(paths.flatten(abstract), specs.nnx_logical_specs(abstract), rules, mesh_sizes)
 
 
+def placement_mismatches(
+    rows: list[Row], shardings: Mapping[str, Any], mesh_sizes: Mapping[str, int]
+) -> list[str]:
+  """Every row whose actual sharding is not the table's physical column, with both."""
+  wrong = []
+  for row in rows:
+    placed = specs.printed_spec(shardings[row['path']].spec, mesh_sizes, len(row['shape']))
+    table = tuple(tuple(e) if isinstance(e, list) else e for e in row['physical'])
+    if placed != table:
+      wrong.append(f"{row['path']}: table {table}, placed {placed}")
+  return wrong
+
+
 def param_count(rows: list[Row]) -> int:
   return int(sum(int(np.prod(r['shape'])) for r in rows))
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 
@@ -30,6 +29,18 @@ MESH_STEPS = 3
 @functools.cache
 def tiny_run(scenario: str = '01_baseline', init_side: str = 'linen') -> CompareResult:
   return run_compare(*get_configs('tiny', scenario), steps=STEPS, init_side=init_side)
+
+
+@functools.cache
+def start(scenario: str = '01_baseline'):
+  """Both sides of `scenario` on the tiny preset, one device, and their common start.
+
+  Returns ((linen side, nnx side), (linen state, nnx state)): Linen
+  initialises with seed 0 and the bridge carries its state to NNX.
+  """
+  linen, nnx_side = make_sides(*get_configs('tiny', scenario))
+  linen_state = linen.init(0)
+  return (linen, nnx_side), (linen_state, nnx_side.from_checkpoint(linen.to_checkpoint(linen_state)))
 
 
 @dataclasses.dataclass

@@ -75,7 +75,7 @@ def test_bad_input_raises_and_names_each_path(tiny_sides, states, target, case):
   flat = linen.to_checkpoint(states[0])
   kernel = flat[KERNEL]
   if case == 'missing':
-    bad, expect = _with(flat, KERNEL, None), [f'decoder/layers/mlp/wi_0/kernel: missing']
+    bad, expect = _with(flat, KERNEL, None), ['decoder/layers/mlp/wi_0/kernel: missing']
   elif case == 'extra':
     bad = _with(flat, 'params/params/decoder/extra/kernel', kernel)
     expect = ['decoder/extra/kernel: extra']

@@ -26,6 +26,7 @@ from models.nnx import train as nnx_train
 from parity.bitwise import assert_bitwise_equal, raw_bits
 from parity.sides import as_jax_batch, make_sides
 from tests.golden import GOLDEN_DIR
+from tests.runs import start
 
 # Same worker as the scenario's other tests (tests/conftest.py groups by scenario).
 pytestmark = pytest.mark.xdist_group('05_fp8')
@@ -50,9 +51,7 @@ def _trajectory():
   steps], losses per side, eval metrics per side at the end, the sides).
   """
   model_cfg, train_cfg = get_configs('tiny', SCENARIO)
-  linen, nnx_side = make_sides(model_cfg, train_cfg)
-  linen_state = linen.init(0)
-  nnx_state = nnx_side.from_checkpoint(linen.to_checkpoint(linen_state))
+  (linen, nnx_side), (linen_state, nnx_state) = start(SCENARIO)
   base = rng.base_key(0)
   states = [(linen.to_checkpoint(linen_state), nnx_side.to_checkpoint(nnx_state))]
   losses = ([], [])

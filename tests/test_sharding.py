@@ -92,15 +92,7 @@ def test_parameter_shardings_follow_the_rules(scenario, mesh):
   linen, _ = make_sides(model_cfg, train_cfg)
   mesh_sizes = specs.parse_mesh_spec(mesh)
   rows = tables.linen_rows(linen, mesh_sizes=mesh_sizes)
-  run = mesh_run(scenario, mesh)
-  wrong = []
-  for row in rows:
-    sharding = run.linen.shardings[row['path']]
-    got = [specs._drop_unit_axes(e, mesh_sizes) for e in sharding.spec]
-    got += [None] * (len(row['shape']) - len(got))
-    want = [tuple(e) if isinstance(e, list) else e for e in row['physical']]
-    if got != want:
-      wrong.append(f"{row['path']}: rules give {want}, state has {got}")
+  wrong = tables.placement_mismatches(rows, mesh_run(scenario, mesh).linen.shardings, mesh_sizes)
   assert not wrong, '\n'.join(wrong)
   if mesh_sizes['fsdp'] > 1:
     assert any('fsdp' in str(r['physical']) for r in rows), 'nothing sharded over fsdp'

@@ -7,6 +7,8 @@ sorted line per parameter; both sides must print exactly it. The goldens for
 meshes, and each side's actual target shardings on a real mesh of the 8 CPU
 devices (still eval_shape only) must be the golden physical column.
 """
+import functools
+
 import pytest
 
 from bridge import specs
@@ -19,24 +21,39 @@ from tests.golden import check_golden
 DEFAULT_PARAM_COUNT = 1_104_218_112
 
 
-@pytest.fixture(scope='module')
-def default_tables():
+GOLDENS = {
+    'fsdp=8': 'default_specs_fsdp8.txt',
+    'fsdp=4,tensor=2': 'default_specs_fsdp4_tensor2.txt',
+    'data=2,fsdp=2,tensor=2': 'default_specs_data2_fsdp2_tensor2.txt',
+}
+
+
+@functools.cache
+def _tables(mesh_spec: str):
+  """(Linen rows, NNX rows) of the default preset's table on `mesh_spec`."""
   linen, nnx_side = make_sides(*get_preset('default'))
-  mesh_sizes = specs.parse_mesh_spec('fsdp=8')
+  mesh_sizes = specs.parse_mesh_spec(mesh_spec)
   return (
       tables.linen_rows(linen, mesh_sizes=mesh_sizes),
       tables.nnx_rows(nnx_side, mesh_sizes=mesh_sizes),
   )
 
 
+@pytest.fixture(scope='module')
+def default_tables():
+  return _tables('fsdp=8')
+
+
+@pytest.mark.parametrize('mesh_spec', GOLDENS)
 @pytest.mark.parametrize('side', ['linen', 'nnx'])
-def test_default_table_matches_golden(default_tables, side):
-  rows = default_tables[0 if side == 'linen' else 1]
-  check_golden('default_specs_fsdp8.txt', tables.format_table(rows))
+def test_default_table_matches_golden(mesh_spec, side):
+  rows = _tables(mesh_spec)[0 if side == 'linen' else 1]
+  check_golden(GOLDENS[mesh_spec], tables.format_table(rows))
 
 
-def test_default_sides_print_the_same_table(default_tables):
-  linen_rows, nnx_rows = default_tables
+@pytest.mark.parametrize('mesh_spec', GOLDENS)
+def test_default_sides_print_the_same_table(mesh_spec):
+  linen_rows, nnx_rows = _tables(mesh_spec)
   assert tables.format_table(linen_rows) == tables.format_table(nnx_rows)
   assert tables.drift(linen_rows, nnx_rows, layout=IDENTITY) == []
 
@@ -62,34 +79,12 @@ def test_drift_report_names_parameter_and_both_specs(default_tables):
   ]
 
 
-OTHER_MESHES = {
-    'fsdp=4,tensor=2': 'default_specs_fsdp4_tensor2.txt',
-    'data=2,fsdp=2,tensor=2': 'default_specs_data2_fsdp2_tensor2.txt',
-}
-
-
-@pytest.mark.parametrize('mesh_spec', sorted(OTHER_MESHES))
-def test_default_tables_on_other_meshes_match_goldens(mesh_spec):
-  linen, nnx_side = make_sides(*get_preset('default'))
-  mesh_sizes = specs.parse_mesh_spec(mesh_spec)
-  linen_table = tables.format_table(tables.linen_rows(linen, mesh_sizes=mesh_sizes))
-  assert tables.format_table(tables.nnx_rows(nnx_side, mesh_sizes=mesh_sizes)) == linen_table
-  check_golden(OTHER_MESHES[mesh_spec], linen_table)
-
-
-@pytest.mark.parametrize('mesh_spec', ['fsdp=8', *sorted(OTHER_MESHES)])
+@pytest.mark.parametrize('mesh_spec', GOLDENS)
 def test_default_target_shardings_are_the_table(mesh_spec):
   """What the sides place on a real mesh is what the table prints."""
-  mesh_sizes = specs.parse_mesh_spec(mesh_spec)
-  sides = make_sides(*get_preset('default'), specs.make_mesh(mesh_spec))
-  rows = tables.linen_rows(make_sides(*get_preset('default'))[0], mesh_sizes=mesh_sizes)
-  for side in sides:
-    targets = side.checkpoint_shardings()
-    wrong = []
-    for row in rows:
-      got = [specs._drop_unit_axes(e, mesh_sizes) for e in targets[row['path']].spec]
-      got += [None] * (len(row['shape']) - len(got))
-      want = [tuple(e) if isinstance(e, list) else e for e in row['physical']]
-      if got != want:
-        wrong.append(f"{row['path']}: table {want}, {side.name} places {got}")
-    assert not wrong, '\n'.join(wrong)
+  rows = _tables(mesh_spec)[0]
+  for side in make_sides(*get_preset('default'), specs.make_mesh(mesh_spec)):
+    wrong = tables.placement_mismatches(
+        rows, side.checkpoint_shardings(), specs.parse_mesh_spec(mesh_spec)
+    )
+    assert not wrong, f'{side.name}:\n' + '\n'.join(wrong)

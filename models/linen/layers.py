@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
-from models import rng
 from models.config import ModelConfig
 
 Axes = tuple[str | None, ...]

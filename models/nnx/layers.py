@@ -14,7 +14,7 @@ from flax import nnx
 from flax.linen import fp8_ops
 from flax.linen import spmd as flax_spmd
 
-from models import compat, rng
+from models import compat
 from models.config import ModelConfig
 
 Axes = tuple[str | None, ...]
