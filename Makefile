@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n auto --tpu-on-cpu
+	$(VENV)/bin/python -m pytest -n auto --hardware-on-cpu
 
 report: $(STAMP)
 	$(VENV)/bin/parity compare

@@ -1,16 +1,30 @@
-"""Repository-wide pytest set-up.
+"""Repository-wide pytest set-up: the XLA environment, before anything imports jax.
 
-On CPU, jax must see 8 virtual devices so mesh tests run here. The flag is
-set at import time, before anything imports jax; pytest-xdist workers import
-this file too, so they get the same devices.
+* The CPU battery runs on 8 CPU devices (the mesh tests need them) with the
+  portable CPU numerics of `parity.xla_env`, so exact-bit records hold on any
+  x86-64 host with AVX2, whatever its CPU model or core count.
+* It runs on the CPU devices whatever the default backend is: on a GPU or TPU
+  host the plain `pytest -n auto` still runs the CPU battery, and xdist
+  workers do not preallocate accelerator memory. Only the hardware tier
+  (`pytest -m hardware`, or its alias `-m tpu`) uses the accelerator, with
+  the deterministic GPU flags set here.
+
+pytest-xdist workers import this file too, so they get the same environment.
 """
 import getpass
 import os
 import tempfile
 
-_FLAG = '--xla_force_host_platform_device_count=8'
-if _FLAG not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _FLAG).strip()
+from parity import xla_env
+
+xla_env.add_flags(
+    (xla_env.host_device_count_flag(xla_env.SUITE_CPU_DEVICES),)
+    + xla_env.PORTABLE_CPU_FLAGS
+    + xla_env.GPU_DETERMINISTIC_FLAGS
+)
+# Each xdist worker is a process; preallocation would give the first one most
+# of the accelerator's memory and the others none.
+os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
 
 # jax's persistent compilation cache, shared by the xdist workers (they inherit
 # this environment): a program compiled by one test (or worker, or an earlier
@@ -24,12 +38,16 @@ os.environ.setdefault(
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
+HARDWARE_MARKERS = ('hardware', 'tpu')  # `tpu` is the tier's older name, kept as an alias
+
 
 def pytest_addoption(parser):
   group = parser.getgroup('parity')
   group.addoption(
-      '--tpu-on-cpu', action='store_true', default=False,
-      help='run the `tpu` tier on the CPU devices with the tiny preset (no TPU needed)',
+      '--hardware-on-cpu', '--tpu-on-cpu', dest='hardware_on_cpu', action='store_true',
+      default=False,
+      help='run the hardware tier on the CPU devices with the tiny preset (no accelerator'
+           ' needed; --tpu-on-cpu is its older name)',
   )
   group.addoption(
       '--full-mesh-matrix', action='store_true', default=False,
@@ -38,25 +56,52 @@ def pytest_addoption(parser):
   )
 
 
-def _has_tpu() -> bool:
+def hardware_tier_selected(config) -> bool:
+  """True when `-m` asks for the hardware tier (`-m hardware`, `-m tpu`, `-m "hardware and ..."`)."""
+  expr = config.getoption('markexpr', '') or ''
+  words = expr.replace('(', ' ').replace(')', ' ').split()
+  return any(
+      word in HARDWARE_MARKERS and (i == 0 or words[i - 1] != 'not')
+      for i, word in enumerate(words)
+  )
+
+
+def pytest_configure(config):
+  if not hardware_tier_selected(config):
+    # The CPU battery: CPU devices whatever the default backend.
+    assert not xla_env.backends_started(), 'jax started before the suite chose its platform'
+    import jax
+
+    jax.config.update('jax_platforms', 'cpu')
+
+
+def accelerator_platform() -> str | None:
+  """'tpu' or 'gpu' when jax's default backend is an accelerator, else None."""
   import jax
 
-  try:
-    return bool(jax.devices('tpu'))
-  except RuntimeError:
-    return False
+  backend = jax.default_backend()
+  return backend if backend in ('tpu', 'gpu') else None
 
 
 def pytest_collection_modifyitems(config, items):
-  """`tpu` tests run on a TPU host, or on the CPU devices with `--tpu-on-cpu`."""
-  tier = [item for item in items if item.get_closest_marker('tpu')]
-  if not tier or config.getoption('--tpu-on-cpu') or _has_tpu():
+  """The hardware tier runs on an accelerator under `-m hardware`, or on the CPU devices
+  with `--hardware-on-cpu`; otherwise it is skipped, with the reason."""
+  tier = [item for item in items if any(item.get_closest_marker(m) for m in HARDWARE_MARKERS)]
+  for item in tier:  # one tier, either name selects it
+    for marker in HARDWARE_MARKERS:
+      if not item.get_closest_marker(marker):
+        item.add_marker(marker)
+  if not tier or config.getoption('hardware_on_cpu'):
     return
   import pytest
 
-  skip = pytest.mark.skip(
-      reason='tpu tier: no TPU on this host; run `pytest -m tpu` on a TPU VM, or add'
-      ' --tpu-on-cpu to run the same tests on the CPU devices with the tiny preset'
-  )
+  if hardware_tier_selected(config):
+    if accelerator_platform():
+      return
+    reason = ('hardware tier: no accelerator (TPU or GPU) here; add --hardware-on-cpu to run'
+              ' the same tests on the CPU devices with the tiny preset')
+  else:
+    reason = ('hardware tier: runs on an accelerator host with `pytest -m hardware`, or on'
+              ' the CPU devices with --hardware-on-cpu (which `make test` passes)')
   for item in tier:
-    item.add_marker(skip)
+    item.add_marker(pytest.mark.skip(reason=reason))

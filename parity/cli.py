@@ -76,12 +76,46 @@ def _mesh(spec: str | None):
   try:
     return specs.make_mesh(spec)
   except ValueError as e:
+    raise BadInput(str(e)) from None
+
+
+def prepare_xla(args) -> None:
+  """XLA flags this command needs, set before jax starts its backends.
+
+  `--mesh` with N devices: N CPU devices (the host-platform device count;
+  only the CPU backend reads it), unless XLA_FLAGS already sets a count.
+  `compare`: deterministic GPU kernels unless `--nondeterministic-gpu`
+  (only the GPU backend reads them).
+  """
+  from parity import xla_env
+
+  if xla_env.backends_started():  # called in-process after jax started: too late to change
+    return
+  flags = []
+  mesh = getattr(args, 'mesh', None)
+  if mesh:
+    from bridge import specs
+
+    try:
+      sizes = specs.parse_mesh_spec(mesh)
+    except ValueError as e:
+      raise BadInput(str(e)) from None
+    count = 1
+    for size in sizes.values():
+      count *= size
+    flags.append(xla_env.host_device_count_flag(count))
+  if args.command == 'compare' and not args.nondeterministic_gpu:
+    flags.extend(xla_env.GPU_DETERMINISTIC_FLAGS)
+  added = xla_env.add_flags(flags)
+  count_flag = xla_env.flag_name(xla_env.host_device_count_flag(0))
+  if mesh and any(xla_env.flag_name(f) == count_flag for f in added):
     import jax
 
-    hint = ''
-    if 'devices' in str(e) and jax.default_backend() == 'cpu':
-      hint = ' (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)'
-    raise BadInput(f'{e}{hint}') from None
+    if jax.default_backend() == 'cpu':
+      print(
+          f'parity: mesh {mesh} on CPU: {count} CPU devices ({added[0]} set for this run)',
+          file=sys.stderr,
+      )
 
 
 def _check_output(path: str | None, option: str) -> None:
@@ -177,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='both tables as Markdown (a pull-request comment)')
   compare.add_argument('--plot', default=None, metavar='FILE.png',
                        help='loss curves, their difference and step times (matplotlib)')
+  compare.add_argument('--nondeterministic-gpu', action='store_true',
+                       help='on a GPU, leave XLA free to pick nondeterministic kernels (default:'
+                            ' --xla_gpu_deterministic_ops=true, needed for bitwise runs)')
   compare.set_defaults(func=cmd_compare)
 
   from parity.convert import add_convert_parser
@@ -189,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   try:
+    prepare_xla(args)
     return args.func(args)
   except BadInput as e:
     print(f'parity: error: {e}', file=sys.stderr)

@@ -24,6 +24,7 @@ from typing import Any, Callable, TextIO
 
 import numpy as np
 
+from parity import xla_env
 from parity.runner import CompareResult, SideRun
 
 PACKAGES = (('JAX', 'jax'), ('jaxlib', 'jaxlib'), ('Flax', 'flax'), ('Optax', 'optax'),
@@ -100,6 +101,8 @@ class Report:
   scenario: str = ''
   mesh: str | None = None
   env: dict[str, str] = dataclasses.field(default_factory=environment)
+  # What XLA was told (XLA_FLAGS): bits depend on it, so the report says it.
+  xla_flags: list[str] = dataclasses.field(default_factory=xla_env.current_flags)
 
   # -- tables ----------------------------------------------------------------
 
@@ -212,6 +215,7 @@ class Report:
         'Tokens/s and TFLOP/s per device use the avg step time; tokens are every'
         ' position of the batch; FLOPs are analytic (parity/flops.py).',
         'Memory: XLA memory analysis of each compiled train step (per device).',
+        f'XLA flags (both sides): {" ".join(self.xla_flags) or "(none)"}',
     ]
     if r.flops is not None:
       notes.append(r.flops.summary())
@@ -266,6 +270,7 @@ class Report:
         scenario=self.scenario,
         mesh_spec=self.mesh,
         environment=self.env,
+        xla_flags=self.xla_flags,
         summary=[dict(zip(self.SUMMARY_HEADER, row)) for row in self.summary_rows()],
     )
     return out

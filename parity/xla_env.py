@@ -1,0 +1,105 @@
+"""The XLA flags a run needs, set in the environment before jax starts.
+
+Three needs, each a named set of flags:
+
+* **Portable CPU numerics** (`PORTABLE_CPU_FLAGS`). By default XLA:CPU picks
+  code by host: the YNNPACK kernels it fuses dots into are chosen per CPU,
+  it emits AVX-512 where the host has it, it uses platform-specific math
+  approximations, and Eigen may split a contraction over as many threads as
+  the host has cores. Each changes loss bits between machines (measured:
+  the golden loss records of one CPU failed on another from step 1 or 2
+  on). With these flags the per-step losses of every scenario are the same
+  bits on an AMD EPYC (AVX-512, avx512_bf16), on the same machine pinned to
+  one core, and under an emulated Intel Haswell and AMD Rome (other cache
+  sizes, vendor and model, no AVX-512). Any x86-64 CPU with AVX2 and FMA
+  runs them; the suite and the golden records use them.
+* **Deterministic GPU** (`GPU_DETERMINISTIC_FLAGS`): XLA:GPU's scatter and
+  reduction kernels may add in a different order on every run (atomics,
+  autotuned algorithms); bitwise runs on a GPU need them off. Measured on an
+  H100: without the flag `08_bf16_weights` and `09_tied_logits` diverge
+  across sides; with it every scenario checked is bit-identical. The flag
+  is read only by the GPU backend.
+* **CPU devices for a mesh** (`host_device_count_flag`): jax on CPU has one
+  device unless told before it starts.
+
+Nothing here imports jax: these must be set before it is imported.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Iterable, MutableMapping
+
+PORTABLE_CPU_FLAGS: tuple[str, ...] = (
+    # Code generation for AVX2 + FMA, the common ground of x86-64 servers
+    # (measured: AVX-512 code gives other loss bits from step 1 on).
+    '--xla_cpu_max_isa=AVX2',
+    # Dots, fused elementwise ops and reductions in XLA's own code, not in
+    # YNNPACK/XNNPACK kernels chosen per CPU model.
+    '--xla_cpu_experimental_ynn_fusion_type=',
+    '--xla_cpu_use_xnnpack=false',
+    # exp, log, rsqrt, tanh by XLA's portable polynomials.
+    '--xla_cpu_enable_platform_dependent_math=false',
+    # One thread per contraction: the split of a dot's reduction dimension
+    # otherwise follows the host's core count.
+    '--xla_cpu_multi_thread_eigen=false',
+)
+
+GPU_DETERMINISTIC_FLAGS: tuple[str, ...] = ('--xla_gpu_deterministic_ops=true',)
+
+SUITE_CPU_DEVICES = 8
+
+
+def host_device_count_flag(count: int) -> str:
+  return f'--xla_force_host_platform_device_count={count}'
+
+
+def flag_name(flag: str) -> str:
+  return flag.split('=', 1)[0]
+
+
+def current_flags(environ: MutableMapping[str, str] | None = None) -> list[str]:
+  """The flags in `XLA_FLAGS`, in order."""
+  environ = os.environ if environ is None else environ
+  return environ.get('XLA_FLAGS', '').split()
+
+
+def add_flags(
+    flags: Iterable[str], environ: MutableMapping[str, str] | None = None
+) -> list[str]:
+  """Appends to `XLA_FLAGS` each flag whose name is not set there yet.
+
+  A flag the user set keeps the user's value. Returns the flags added.
+  Refuses once jax has started its backends: XLA reads the flags once.
+  """
+  environ = os.environ if environ is None else environ
+  present = {flag_name(f) for f in current_flags(environ)}
+  added = [f for f in flags if flag_name(f) not in present]
+  if added and environ is os.environ and backends_started():
+    raise RuntimeError(
+        f'XLA flags {added} must be set before jax starts its backends; set them in'
+        ' XLA_FLAGS before running, or before the first jax computation'
+    )
+  if added:
+    environ['XLA_FLAGS'] = ' '.join(current_flags(environ) + added)
+  return added
+
+
+def backends_started() -> bool:
+  """Whether jax (if imported) has created its backends, after which XLA_FLAGS is read."""
+  if 'jax' not in sys.modules:
+    return False
+  try:
+    from jax._src import xla_bridge
+  except ImportError:  # pragma: no cover - a jax without this module
+    return True
+  return bool(getattr(xla_bridge, '_backends', None))
+
+
+def flag_value(name: str, environ: MutableMapping[str, str] | None = None) -> str | None:
+  """The value of flag `name` ('--xla_...') in `XLA_FLAGS` (the last one wins), or None."""
+  value = None
+  for flag in current_flags(environ):
+    if flag_name(flag) == name:
+      value = flag.split('=', 1)[1] if '=' in flag else 'true'
+  return value
