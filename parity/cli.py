@@ -152,11 +152,17 @@ def cmd_compare(args) -> int:
   train_cfg = config.replace(train_cfg, seed=args.seed)
 
   progress = report_lib.Progress(args.steps)
-  result = runner.run_compare(
-      model_cfg, train_cfg, args.steps, seed=args.seed, init_side=args.init,
-      on_step=progress.step, on_phase=progress.phase, mesh=mesh,
-      checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
-  )
+  try:
+    result = runner.run_compare(
+        model_cfg, train_cfg, args.steps, seed=args.seed, init_side=args.init,
+        on_step=progress.step, on_phase=progress.phase, mesh=mesh,
+        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
+    )
+  except Exception as e:  # XLA's runtime error type moved between jax versions
+    message = out_of_memory_message(e, args)
+    if message is None:
+      raise
+    raise BadInput(message) from None
   report = report_lib.Report(result, args.preset, args.scenario, args.mesh)
   print(report.text(), end='')
   for diff in result.state_diffs[:20]:
@@ -168,6 +174,27 @@ def cmd_compare(args) -> int:
   if args.plot:
     report.plot(args.plot)
   return 0 if result.bitwise_equal else 1
+
+
+def out_of_memory_message(error: BaseException, args) -> str | None:
+  """One line for an XLA out-of-memory error (None for any other error)."""
+  import re
+
+  text = str(error)
+  if 'RESOURCE_EXHAUSTED' not in text and 'Out of memory' not in text:
+    return None
+  asked = re.search(r'allocate (?:memory for )?([0-9.]+ ?[KMGT]?i?B|[0-9]+ bytes)', text)
+  import jax
+
+  device = jax.devices()[0]
+  where = f'{device.platform} ({getattr(device, "device_kind", device.platform)})'
+  size = f' asked for {asked.group(1)}' if asked else ' ran out of memory'
+  return (
+      f'out of memory on {where}: preset {args.preset}, scenario {args.scenario}'
+      f'{", mesh " + args.mesh if args.mesh else ", one device"}:{size}. What helps:'
+      ' rematerialisation (--scenario 04_remat), a mesh over more devices (--mesh fsdp=N),'
+      ' or a smaller batch (a smaller preset, e.g. --preset small)'
+  )
 
 
 def cmd_scenarios(args) -> int:

@@ -1,5 +1,8 @@
 """The `parity` command line, run in-process (no new interpreter per test)."""
 import json
+import os
+import subprocess
+import sys
 import pathlib
 import re
 import shlex
@@ -53,6 +56,8 @@ def test_compare_reports_bit_identical(capsys, tmp_path):
   assert 'verdict: bit-identical' in out
   data = json.loads(files['json'].read_text())
   assert data['bitwise_equal'] is True
+  assert data['xla_flags'] == os.environ['XLA_FLAGS'].split()
+  assert '--xla_cpu_max_isa=AVX2' in data['xla_flags']  # the suite's portable numerics
   assert data['first_divergent_step'] is None
   assert isinstance(data['programs_identical'], bool)
   for side in ('linen', 'nnx'):
@@ -142,3 +147,57 @@ def test_readme_parity_commands_parse_with_valid_values():
       assert args.scenario in SCENARIOS, command
     if getattr(args, 'mesh', None) is not None:
       parse_mesh_spec(args.mesh, num_devices=8)  # raises on a malformed spec
+
+
+def test_compare_out_of_memory_is_one_line_exit_2(capsys, monkeypatch):
+  """An XLA out-of-memory error: one line naming the preset and the bytes asked for, exit 2."""
+  from parity import runner
+
+  def exhausted(*args, **kwargs):
+    raise RuntimeError(
+        'RESOURCE_EXHAUSTED: Out of memory while trying to allocate 32.02GiB.\n'
+        'BufferAssignment OOM Debugging. ...'
+    )
+
+  monkeypatch.setattr(runner, 'run_compare', exhausted)
+  assert cli.main(['compare', '--preset', 'default', '--steps', '1']) == 2
+  err = capsys.readouterr().err
+  assert err.count('\n') == 1 and 'Traceback' not in err
+  assert 'preset default' in err and 'asked for 32.02GiB' in err
+  assert '--scenario 04_remat' in err and '--mesh' in err
+
+
+def test_compare_other_errors_are_not_called_out_of_memory(monkeypatch):
+  from parity import runner
+
+  def broken(*args, **kwargs):
+    raise RuntimeError('INTERNAL: something else')
+
+  monkeypatch.setattr(runner, 'run_compare', broken)
+  with pytest.raises(RuntimeError, match='something else'):
+    cli.main(['compare', '--steps', '1'])
+
+
+def test_mesh_on_cpu_gets_its_devices_without_a_device_count(tmp_path):
+  """`compare --mesh fsdp=4,tensor=2` in a fresh interpreter whose XLA_FLAGS set no device count.
+
+  The command sets 8 CPU devices itself and says so in one line. (The other
+  flags of the suite stay, so its programs come from the compilation cache.)
+  """
+  from parity import xla_env
+
+  count = xla_env.flag_name(xla_env.host_device_count_flag(0))
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=' '.join(
+      f for f in xla_env.current_flags() if xla_env.flag_name(f) != count
+  ))
+  report = tmp_path / 'report.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'parity', 'compare', '--mesh', 'fsdp=4,tensor=2', '--steps', '3',
+       '--json', str(report)],
+      capture_output=True, text=True, env=env, timeout=600,
+  )
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert proc.stderr.count('8 CPU devices') == 1, proc.stderr
+  data = json.loads(report.read_text())
+  assert data['num_devices'] == 8 and data['bitwise_equal'] is True
+  assert xla_env.host_device_count_flag(8) in data['xla_flags']
