@@ -71,3 +71,15 @@ def key_value(key: Any) -> Any:
 def nnx_variable_with_value(variable: nnx.Variable, value: Any) -> nnx.Variable:
   """A copy of `variable` (type and metadata kept) holding `value`."""
   return variable.copy(value)
+
+
+def kept_argument_indices(lowered: jax.stages.Lowered, num_leaves: int) -> list[int]:
+  """Which flattened arguments a lowered program kept (jit drops unused ones).
+
+  jax has no public accessor; its lowering records them under
+  `compile_args['kept_var_idx']` (jax 0.10 to 0.12). Without it, every
+  argument counts as kept.
+  """
+  lowering = getattr(lowered, '_lowering', None)
+  kept = getattr(lowering, 'compile_args', {}).get('kept_var_idx')
+  return sorted(kept) if kept is not None else list(range(num_leaves))

@@ -173,7 +173,13 @@ def cmd_compare(args) -> int:
     report.write_markdown(args.markdown)
   if args.plot:
     report.plot(args.plot)
-  return 0 if result.bitwise_equal else 1
+  if not result.bitwise_equal:
+    return 1
+  if not (args.numbers_only or result.same_program):
+    print('parity: the numbers match but memory or the program differs (see above);'
+          ' --numbers-only compares the numbers alone', file=sys.stderr)
+    return 1
+  return 0
 
 
 def out_of_memory_message(error: BaseException, args) -> str | None:
@@ -219,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
 
   compare = sub.add_parser(
       'compare',
-      help='train both sides side by side and report; exit 0 bit-identical, 1 divergent',
+      help='train both sides side by side and report; exit 0 bit-identical and the same'
+           ' program (memory to the byte, canonical program), 1 otherwise',
   )
   compare.add_argument('--preset', default='tiny')
   compare.add_argument('--scenario', default='01_baseline', help='see `parity scenarios`')
@@ -238,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='both tables as Markdown (a pull-request comment)')
   compare.add_argument('--plot', default=None, metavar='FILE.png',
                        help='loss curves, their difference and step times (matplotlib)')
+  compare.add_argument('--numbers-only', action='store_true',
+                       help='exit 0 when the numbers are bit-identical, even if memory or the'
+                            ' program differs (both are still reported)')
   compare.add_argument('--nondeterministic-gpu', action='store_true',
                        help='on a GPU, leave XLA free to pick nondeterministic kernels (default:'
                             ' --xla_gpu_deterministic_ops=true, needed for bitwise runs)')

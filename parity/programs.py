@@ -24,6 +24,8 @@ import heapq
 import re
 from typing import Any
 
+import numpy as np
+
 # ---------------------------------------------------------------------------
 # Canonical form
 # ---------------------------------------------------------------------------
@@ -566,25 +568,37 @@ class _Canonicalizer:
         found[name] = (index, m.start(), ())
     return found
 
-  def _main(self) -> None:
+  def _main(self, arg_names: list[str] | None) -> None:
     fn = self._functions['@main']
     # Pytree flattening orders the arguments differently per side (a Linen
-    # TrainState flattens `step` first): they are numbered by first use.
-    uses = self._first_uses('@main')
-    unused = (len(fn.body), 0, ())
-    order = sorted(range(len(fn.args)), key=lambda i: (uses.get(fn.args[i][0], unused), i))
-    scope = {fn.args[i][0]: f'%a{rank}' for rank, i in enumerate(order)}
-    args = ', '.join(f'%a{rank}: {fn.args[i][1]}' for rank, i in enumerate(order))
+    # TrainState flattens `step` first): named by their state path when the
+    # caller knows it, else numbered by first use.
+    if arg_names is not None:
+      if len(arg_names) != len(fn.args):
+        raise ValueError(f'{len(arg_names)} argument names for {len(fn.args)} arguments of @main')
+      names = [_arg_name(n) for n in arg_names]
+      if len(set(names)) != len(names):
+        raise ValueError(f'argument names are not unique: {sorted(arg_names)}')
+      order = sorted(range(len(fn.args)), key=lambda i: names[i])
+    else:
+      uses = self._first_uses('@main')
+      unused = (len(fn.body), 0, ())
+      order = sorted(range(len(fn.args)), key=lambda i: (uses.get(fn.args[i][0], unused), i))
+      names = [''] * len(fn.args)
+      for rank, i in enumerate(order):
+        names[i] = f'%a{rank}'
+    scope = {fn.args[i][0]: names[i] for i in order}
+    args = ', '.join(f'{names[i]}: {fn.args[i][1]}' for i in order)
     body = [_INDENT + l for l in self._block(fn.body, scope, 0)]
     body, results, _ = _sort_results(body, fn.results)
     vis = f'{fn.visibility} ' if fn.visibility else ''
     arrow = f' -> {results}' if results else ''
     self._rendered['@main'] = [f'func.func {vis}@main({args}){arrow} {{'] + body + ['}']
 
-  def render(self, others: list[str]) -> str:
+  def render(self, others: list[str], arg_names: list[str] | None = None) -> str:
     """The module: non-function lines, @main, then every function it reaches."""
     if '@main' in self._functions:
-      self._main()
+      self._main(arg_names)
     out = [re.sub(r'^(\s*module\s+)@[\w$.-]+', r'\1@m', l.strip()) for l in others]
     closing = out.pop() if out and out[-1] == '}' else None
     seen, queue = set(), ['@main'] if '@main' in self._rendered else []
@@ -632,7 +646,12 @@ def _sort_results(
   return body, f'({joined})' if wrapped else joined, (order, new_index)
 
 
-def canonicalize(text: str) -> str:
+def _arg_name(path: str) -> str:
+  """An SSA name for a state path: `params/params/x` -> `%params.params.x`."""
+  return '%' + re.sub(r'[^\w$-]', '.', path if path[:1].isalpha() else f'_{path}')
+
+
+def canonicalize(text: str, arg_names: list[str] | None = None) -> str:
   """The lowered (StableHLO) text as a canonical dataflow graph (see above).
 
   Removed: debug locations, `jax.result_info`/`jax.arg_info` labels, the
@@ -641,15 +660,17 @@ def canonicalize(text: str) -> str:
   read per call), the order of independent operations, of a function's
   arguments and results and of a loop's carried values, dead operations,
   repeated identical operations, transposes that undo each other, and the
-  pytree order of @main's arguments (numbered by first use) and results
-  (sorted by name). Kept: every live operation, type, shape, attribute,
-  sharding and constant.
+  pytree order of @main's arguments and results (sorted by name). With
+  `arg_names` (one per argument of @main, e.g. each state leaf's checkpoint
+  path) the arguments take those names; without, they are numbered by first
+  use. Kept: every live operation, type, shape, attribute, sharding and
+  constant.
   """
   text = _strip_label_attrs(_strip_locations(text))
   items = _parse_functions(text)
   functions = {i.name: i for i in items if isinstance(i, _Function)}
   others = [i for i in items if isinstance(i, str)]
-  return _Canonicalizer(functions).render(others)
+  return _Canonicalizer(functions).render(others, arg_names)
 
 
 def _short_names(texts: list[str], minimum: int = 6) -> list[str]:
@@ -670,6 +691,33 @@ def _short_names(texts: list[str], minimum: int = 6) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class AllowedDifference:
+  """A difference between the sides inherent to the frameworks, removed before comparing.
+
+  Each one is removed by one exact change to what is traced (never a
+  pattern over the program text), so everything else still has to match.
+  """
+
+  name: str
+  reason: str
+  nnx_dtype: Any = None
+
+
+STEP_COUNTER_DTYPE = AllowedDifference(
+    name='step counter dtype',
+    reason=(
+        "Linen's TrainState counts steps in int32 and nnx.Optimizer in uint32 (the bridge"
+        " converts the value exactly). The Linen step is compared as traced with a uint32"
+        ' counter: its own code, the counter\'s dtype the only change.'
+    ),
+    nnx_dtype=np.uint32,
+)
+
+# Every difference the program comparison allows, with its reason.
+ALLOWED: tuple[AllowedDifference, ...] = (STEP_COUNTER_DTYPE,)
+
+
 @dataclasses.dataclass
 class ProgramDiff:
   identical: bool
@@ -680,10 +728,12 @@ class ProgramDiff:
   diff: str  # a short unified diff of the canonical programs, '' when identical
   first_linen: str = ''  # the first differing canonical line, each side
   first_nnx: str = ''
+  allowed: list[str] = dataclasses.field(default_factory=list)  # names of ALLOWED entries applied
 
   def summary(self) -> str:
     if self.identical:
-      return f'programs identical ({self.linen_lines} canonical lines)'
+      except_ = f' except: {", ".join(self.allowed)}' if self.allowed else ''
+      return f'programs identical{except_} ({self.linen_lines} canonical lines)'
     return (
         f'programs differ: first difference at canonical line {self.first_difference}'
         f' of {self.linen_lines} (Linen) / {self.nnx_lines} (NNX); {self.changed_lines}'
@@ -730,7 +780,14 @@ def _clip_diff(lines: list[str], width: int) -> list[str]:
 
 
 def diff(
-    linen_text: str, nnx_text: str, context: int = 1, max_lines: int = 40, width: int = 160
+    linen_text: str,
+    nnx_text: str,
+    context: int = 1,
+    max_lines: int = 40,
+    width: int = 160,
+    linen_args: list[str] | None = None,
+    nnx_args: list[str] | None = None,
+    allowed: tuple[AllowedDifference, ...] = (),
 ) -> ProgramDiff:
   """Canonicalises both programs and compares them line by line.
 
@@ -738,10 +795,11 @@ def diff(
   (a changed line around where it changes); hash names are shortened for
   reading (the comparison uses them whole).
   """
-  full = [canonicalize(linen_text), canonicalize(nnx_text)]
+  full = [canonicalize(linen_text, linen_args), canonicalize(nnx_text, nnx_args)]
+  allowed_names = [a.name for a in allowed]
   if full[0] == full[1]:
     n = len(full[0].splitlines())
-    return ProgramDiff(True, None, n, n, 0, '')
+    return ProgramDiff(True, None, n, n, 0, '', allowed=allowed_names)
   a, b = (t.splitlines() for t in _short_names(full))
   matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
   opcodes = [op for op in matcher.get_opcodes() if op[0] != 'equal']
@@ -756,6 +814,7 @@ def diff(
   return ProgramDiff(
       False, i1 + 1, len(a), len(b), changed, '\n'.join(lines),
       first_linen=_clip(first_a, width, start), first_nnx=_clip(first_b, width, start),
+      allowed=allowed_names,
   )
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, TextIO
 
 import numpy as np
 
-from parity import xla_env
+from parity import programs, xla_env
 from parity.runner import CompareResult, SideRun
 
 PACKAGES = (('JAX', 'jax'), ('jaxlib', 'jaxlib'), ('Flax', 'flax'), ('Optax', 'optax'),
@@ -175,13 +175,10 @@ class Report:
       rows.append(('Memory %', *same('n/a (device reports no limit)')))
     else:
       rows.append(('Memory %', _num(a), _num(b), _diff(a, b, LOWER_IS_BETTER)))
-    if r.program_diff is None:
-      program = 'not compared'
-    elif r.program_diff.identical:
-      program = 'identical'
-    else:
-      program = f'differ ({r.program_diff.changed_lines} canonical lines)'
-    rows.append(('Train-step program', '', '', program))
+    rows.append(('Memory (train step)', '', '', r.memory_verdict))
+    rows.append(('Train-step program', '', '', r.program_verdict))
+    if r.expected_difference is not None:
+      rows.append(('Differs by design', '', '', r.expected_difference))
     for label in ('JAX', 'Flax', 'Optax', 'Orbax'):
       rows.append((label, *same(self.env.get(label, 'n/a'))))
     devices = f'{r.device_kind or r.platform} x {r.num_devices}'
@@ -214,7 +211,10 @@ class Report:
         ' executes); avg s/step leaves step 0 out.',
         'Tokens/s and TFLOP/s per device use the avg step time; tokens are every'
         ' position of the batch; FLOPs are analytic (parity/flops.py).',
-        'Memory: XLA memory analysis of each compiled train step (per device).',
+        'Memory: XLA memory analysis of each compiled train step (per device); the verdict'
+        ' compares arguments, outputs, temporaries, aliased and peak bytes.',
+        'Program: both train steps canonicalised (arguments named by state path) and'
+        ' compared; allowed: ' + '; '.join(f'{a.name} ({a.reason})' for a in programs.ALLOWED),
         f'XLA flags (both sides): {" ".join(self.xla_flags) or "(none)"}',
     ]
     if r.flops is not None:

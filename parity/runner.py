@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
+from bridge import layout as layout_lib
 from models import data, rng
 from models.config import ModelConfig, TrainConfig
 from parity import bitwise, programs
@@ -102,6 +103,54 @@ class CompareResult:
     return None if self.program_diff is None else self.program_diff.identical
 
   @property
+  def expected_difference(self) -> str | None:
+    """Why memory and program may differ by design (the sides store a state differently)."""
+    if self.model_cfg is None:
+      return None
+    moves = layout_lib.layout_for(self.model_cfg).moves
+    if not moves:
+      return None
+    return '; '.join(
+        f'NNX stacks {m.prefix}* on axis {m.nnx_axis}, Linen on axis {m.linen_axis}'
+        for m in moves
+    )
+
+  @property
+  def memory_drift(self) -> list[str]:
+    """Each memory-analysis field that differs, with both values (empty: equal to the byte)."""
+    out = []
+    for field in MEMORY_FIELDS:
+      a, b = self.linen.memory.get(field), self.nnx.memory.get(field)
+      if a != b:
+        out.append(f'{field} {b - a:+,} B' if a is not None and b is not None else f'{field} n/a')
+    return out
+
+  @property
+  def memory_verdict(self) -> str:
+    if not self.linen.memory and not self.nnx.memory:
+      return 'not measured (the backend has no memory analysis)'
+    drift = self.memory_drift
+    if not drift:
+      return 'equal to the byte'
+    return 'differs (NNX ' + ', '.join(drift) + ')'
+
+  @property
+  def program_verdict(self) -> str:
+    d = self.program_diff
+    if d is None:
+      return 'not compared'
+    if d.identical:
+      return 'identical' + (f' except: {", ".join(d.allowed)}' if d.allowed else '')
+    return f'differs ({d.changed_lines} canonical lines)'
+
+  @property
+  def same_program(self) -> bool:
+    """Memory equal to the byte and programs identical beyond the allowlist, or different by design."""
+    if self.expected_difference is not None:
+      return True
+    return not self.memory_drift and (self.program_diff is None or self.program_diff.identical)
+
+  @property
   def tokens_per_step(self) -> int | None:
     if self.train_cfg is None:
       return None
@@ -153,6 +202,10 @@ class CompareResult:
         'first_divergent_step': self.first_divergent_step,
         'programs_identical': self.programs_identical,
         'verdict': self.verdict(),
+        'memory_verdict': self.memory_verdict,
+        'program_verdict': self.program_verdict,
+        'same_program': self.same_program,
+        'expected_difference': self.expected_difference,
         'steps': self.steps,
         'seed': self.seed,
         'init_side': self.init_side,
@@ -185,25 +238,16 @@ def loss_hex(x: Any) -> str:
 # ---------------------------------------------------------------------------
 
 
-def lower(side: Any, state: Any, batch: Any, dropout_base: Any) -> jax.stages.Lowered:
-  """The side's train step lowered for these arguments, under its mesh and rules."""
-  fn = side._train_step
-  with side.context():
-    if isinstance(fn, functools.partial):
-      # The NNX step off a mesh: a jitted function with the graphdef bound
-      # as its static first argument.
-      return fn.func.lower(*fn.args, state, batch, dropout_base, **fn.keywords)
-    return fn.lower(state, batch, dropout_base)
-
-
 @dataclasses.dataclass
 class CompiledStep:
   """A side's compiled train step and what XLA says about it."""
 
   executable: jax.stages.Compiled
-  text: str  # lowered StableHLO, for the program diff
+  text: str  # lowered StableHLO of the program as run
   lower_s: float
   compile_s: float
+  compared_text: str  # what the program diff reads (see `comparison_lowering`)
+  argument_names: list[str]  # per argument of the compared program's @main
 
   @property
   def batch_sharding(self) -> Any:
@@ -219,11 +263,42 @@ class CompiledStep:
 
 def compile_step(side: Any, state: Any, batch: Any, dropout_base: Any) -> CompiledStep:
   start = time.perf_counter()
-  lowered = lower(side, state, batch, dropout_base)
+  lowered = side.lower_train_step(state, batch, dropout_base)
   lowered_at = time.perf_counter()
   executable = lowered.compile()
   done = time.perf_counter()
-  return CompiledStep(executable, lowered.as_text(), lowered_at - start, done - start)
+  compared, names = comparison_lowering(side, state, batch, dropout_base)
+  return CompiledStep(
+      executable, lowered.as_text(), lowered_at - start, done - start, compared, names
+  )
+
+
+def comparison_lowering(side: Any, state: Any, batch: Any, dropout_base: Any) -> tuple[str, list[str]]:
+  """The side's train step as the program comparison reads it, and its argument names.
+
+  Traced on `side.comparison_state` (the allowed differences of
+  `programs.ALLOWED` removed there), arguments named by state path.
+  """
+  abstract = jax.tree.map(_abstract, (state, batch, dropout_base))
+  compared_state = side.comparison_state(abstract[0])
+  lowered = side.lower_train_step(compared_state, abstract[1], abstract[2])
+  names = side.argument_names(lowered, compared_state, abstract[1], abstract[2])
+  return lowered.as_text(), names
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, 'sharding', None))
+
+
+def program_diff_of(linen: CompiledStep, nnx: CompiledStep) -> programs.ProgramDiff:
+  """The canonical program diff of two compiled steps, the allowed differences removed."""
+  return programs.diff(
+      linen.compared_text, nnx.compared_text,
+      linen_args=linen.argument_names, nnx_args=nnx.argument_names, allowed=programs.ALLOWED,
+  )
+
+
+MEMORY_FIELDS = ('argument_bytes', 'output_bytes', 'temp_bytes', 'alias_bytes', 'peak_bytes')
 
 
 def memory_of(executable: jax.stages.Compiled, device: jax.Device) -> dict[str, Any]:
@@ -389,7 +464,7 @@ def run_compare(
   for name in SIDES:
     runs[name].memory = compiled[name].memory(device)
     runs[name].xla_flops = compiled[name].cost_flops()
-  diff = programs.diff(compiled['linen'].text, compiled['nnx'].text) if program_diff else None
+  diff = program_diff_of(compiled['linen'], compiled['nnx']) if program_diff else None
 
   with contextlib.ExitStack() as stack:
     if checkpoint_every and checkpoint_fn is None:

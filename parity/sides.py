@@ -30,6 +30,7 @@ from models import compat
 from models.config import ModelConfig, TrainConfig
 from models.linen import train as linen_train
 from models.nnx import train as nnx_train
+from parity import programs
 
 
 def as_jax_batch(batch: dict[str, Any]) -> dict[str, jax.Array]:
@@ -70,10 +71,35 @@ class _Placement:
       return state
     return jax.device_put(state, self.state_shardings)
 
-  def lower_train_step(self, state, batch, dropout_base) -> str:
-    """The lowered (StableHLO) text of this side's train step, as traced here."""
+  def lower_train_step(self, state, batch, dropout_base) -> jax.stages.Lowered:
+    """This side's train step lowered for these arguments, under its mesh and rules."""
+    fn = self._train_step
     with self.context():
-      return self._train_step.lower(state, batch, dropout_base).as_text()
+      if isinstance(fn, functools.partial):
+        # The NNX step off a mesh: the model's jitted function with the
+        # graphdef bound as its static first argument.
+        return fn.func.lower(*fn.args, state, batch, dropout_base, **fn.keywords)
+      return fn.lower(state, batch, dropout_base)
+
+  def argument_names(self, lowered: jax.stages.Lowered, state, batch, dropout_base) -> list[str]:
+    """A name per argument of the lowered step's `@main`, the same on both sides.
+
+    A state leaf is named by its checkpoint path (the bridge's mapping), a
+    batch entry `batch/<key>`, the dropout key `dropout_base`; arguments
+    jit dropped as unused have no entry.
+    """
+    state_leaves, treedef = jax.tree.flatten(state)
+    index_tree = jax.tree.unflatten(treedef, list(range(len(state_leaves))))
+    names = [''] * len(state_leaves)
+    for path, index in self._checkpoint_leaves(index_tree).items():
+      names[index] = path
+    names += [f'batch/{key}' for key in sorted(batch)] + ['dropout_base']
+    kept = compat.kept_argument_indices(lowered, len(names))
+    return [names[i] for i in kept]
+
+  def comparison_state(self, state):
+    """The state the program comparison traces this side's step with (see programs.ALLOWED)."""
+    return state
 
   def train_step(self, state, batch, dropout_base):
     with self.context():
@@ -146,6 +172,16 @@ class LinenSide(_Placement):
   def checkpoint_shardings(self) -> dict[str, jax.sharding.NamedSharding]:
     return bridge_state.linen_to_checkpoint_leaves(self.state_shardings)
 
+  def _checkpoint_leaves(self, tree) -> dict[str, Any]:
+    return bridge_state.linen_to_checkpoint_leaves(tree)
+
+  def comparison_state(self, state):
+    """`state` with the step counter typed as `nnx.Optimizer`'s (the allowed difference)."""
+    step = jax.ShapeDtypeStruct(
+        (), programs.STEP_COUNTER_DTYPE.nnx_dtype, sharding=getattr(state.step, 'sharding', None)
+    )
+    return state.replace(step=step)
+
   @functools.cached_property
   def _train_step(self):
     step = linen_train.make_train_step(self.model_cfg, self.train_cfg)
@@ -189,13 +225,14 @@ class NnxSide(_Placement):
   def layout(self) -> layout_lib.Layout:
     return layout_lib.layout_for(self.model_cfg)
 
-  def _pair(self, seed: int):
+  def _split_state(self, seed: int):
+    """(graphdef, state) of (model, optimizer), as the model package builds them."""
     model = nnx_train.init_model(self.model_cfg, seed)
-    return model, nnx.Optimizer(model, nnx_train.make_optimizer(self.train_cfg), wrt=nnx.Param)
+    return nnx_train.create_train_state(self.model_cfg, self.train_cfg, model)
 
   @functools.cached_property
   def _abstract(self):
-    return nnx.split(nnx.eval_shape(lambda: self._pair(0)))
+    return nnx.eval_shape(lambda: self._split_state(0))
 
   @property
   def graphdef(self):
@@ -220,6 +257,9 @@ class NnxSide(_Placement):
   def checkpoint_shardings(self) -> dict[str, jax.sharding.NamedSharding]:
     return bridge_state.nnx_to_checkpoint_leaves(self.state_shardings, self.layout)
 
+  def _checkpoint_leaves(self, tree) -> dict[str, Any]:
+    return bridge_state.nnx_to_checkpoint_leaves(tree, self.layout)
+
   def init(self, seed: int) -> nnx.State:
     """A fresh state, created in its target shardings on a mesh."""
     with self.context():
@@ -229,7 +269,7 @@ class NnxSide(_Placement):
   def _init_state(self):
     """The jitted initialiser (one per side, one compile per seed)."""
     return jax.jit(
-        lambda seed: nnx.state(self._pair(seed)),
+        lambda seed: self._split_state(seed)[1],
         static_argnums=0,
         out_shardings=self.state_shardings,
     )

@@ -4,7 +4,8 @@
 `mesh_run` trains both sides on a mesh of the 8 CPU devices (or any mesh)
 from one state, keeping everything the mesh tests look at: per-step losses,
 the final state in the checkpoint layout, each state leaf's actual sharding,
-and the sharding annotations of both lowered train steps.
+the sharding annotations of both lowered train steps, their memory analysis
+and their canonical program diff.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from bridge import specs
 from bridge import train_state as bridge_state
 from models import data, rng
 from models.config import ModelConfig, TrainConfig, get_configs
+from parity import programs, runner
 from parity.programs import sharding_annotations
 from parity.runner import CompareResult, run_compare
 from parity.sides import as_jax_batch, make_sides
@@ -57,6 +59,8 @@ class SideOnMesh:
 class MeshRun:
   linen: SideOnMesh
   nnx: SideOnMesh
+  memory: tuple[dict, dict]  # XLA's memory analysis of each side's train step
+  program_diff: programs.ProgramDiff
 
 
 def train_on_mesh(
@@ -79,10 +83,12 @@ def train_on_mesh(
   )
   base = rng.base_key(0)
   batches = [as_jax_batch(data.make_batch(model_cfg, train_cfg, s)) for s in range(steps)]
-  annotations = (
-      sharding_annotations(linen.lower_train_step(linen_state, batches[0], base), True),
-      sharding_annotations(nnx_side.lower_train_step(nnx_state, batches[0], base), True),
-  )
+  compiled = [
+      runner.compile_step(side, state, batches[0], base)
+      for side, state in ((linen, linen_state), (nnx_side, nnx_state))
+  ]
+  annotations = tuple(sharding_annotations(c.text, True) for c in compiled)
+  device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
   losses = ([], [])
   for batch in batches:
     linen_state, linen_metrics = linen.train_step(linen_state, batch, base)
@@ -106,6 +112,8 @@ def train_on_mesh(
           nnx_side.checkpoint_shardings() if mesh is not None else {},
           annotations[1],
       ),
+      memory=(compiled[0].memory(device), compiled[1].memory(device)),
+      program_diff=runner.program_diff_of(*compiled),
   )
 
 

@@ -50,6 +50,30 @@ def _apply_layer(layer: DecoderLayer, x_BLE, positions_BL, segment_ids_BL, layer
   return layer(x_BLE, positions_BL, segment_ids_BL, layer_key)[0]
 
 
+def _remat_layer(policy_name: str, prevent_cse: bool):
+  """`_apply_layer` under `jax.checkpoint`, the layer entering as pure state.
+
+  The layer's parameters are inputs of the rematerialised function and not
+  outputs: `nnx.remat` over the module would also return the layer's state,
+  and XLA then keeps those outputs alive for the backward pass (measured:
+  +7% temporaries on `tiny`, +16% on `default`, against Linen's `nn.remat`,
+  whose parameters are inputs only).
+  """
+
+  def apply_state(graphdef, state, x_BLE, positions_BL, segment_ids_BL, layer_key):
+    return _apply_layer(nnx.merge(graphdef, state), x_BLE, positions_BL, segment_ids_BL, layer_key)
+
+  remat = jax.checkpoint(
+      apply_state, policy=REMAT_POLICIES[policy_name], prevent_cse=prevent_cse, static_argnums=(0,)
+  )
+
+  def apply_layer(layer: DecoderLayer, x_BLE, positions_BL, segment_ids_BL, layer_key):
+    graphdef, state = nnx.split(layer)
+    return remat(graphdef, state, x_BLE, positions_BL, segment_ids_BL, layer_key)
+
+  return apply_layer
+
+
 class Decoder(nnx.Module):
   """Embedding dropout, the layer stack, final norm and logits."""
 
@@ -85,11 +109,7 @@ class Decoder(nnx.Module):
 
     apply_layer = _apply_layer
     if cfg.remat_policy != 'none':
-      apply_layer = nnx.remat(
-          _apply_layer,
-          policy=REMAT_POLICIES[cfg.remat_policy],
-          prevent_cse=not cfg.scan_layers,
-      )
+      apply_layer = _remat_layer(cfg.remat_policy, prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
       @nnx.scan(
           in_axes=(nnx.Carry, cfg.nnx_scan_axis, None, None, 0),

@@ -251,8 +251,14 @@ class MLP(nnx.Module):
     self.wo = DenseGeneral((m,), (e,), ('mlp', 'embed'), config, rngs=rngs)
 
   def __call__(self, x_BLE):
+    # Both projections before the activation, as on the Linen side: the
+    # trace order decides the order of a scan's saved residuals, and with it
+    # XLA's buffer assignment (measured: 4,928 bytes more temporaries on the
+    # 3-axis mesh with gradient accumulation when silu came first).
+    gate_BLM = self.wi_0(x_BLE)
+    up_BLM = self.wi_1(x_BLE)
     hidden_BLM = logical_constraint(
-        jax.nn.silu(self.wi_0(x_BLE)) * self.wi_1(x_BLE),
+        jax.nn.silu(gate_BLM) * up_BLM,
         ('activation_batch', 'activation_length', 'activation_mlp'),
     )
     return self.wo(hidden_BLM)
