@@ -279,10 +279,14 @@ def comparison_lowering(side: Any, state: Any, batch: Any, dropout_base: Any) ->
   Traced on `side.comparison_state` (the allowed differences of
   `programs.ALLOWED` removed there), arguments named by state path.
   """
-  abstract = jax.tree.map(_abstract, (state, batch, dropout_base))
-  compared_state = side.comparison_state(abstract[0])
-  lowered = side.lower_train_step(compared_state, abstract[1], abstract[2])
-  names = side.argument_names(lowered, compared_state, abstract[1], abstract[2])
+  # The state keeps its shardings (they are part of the program); the batch
+  # and key are placed by the step, as when it runs.
+  compared_state = side.comparison_state(jax.tree.map(_abstract, state))
+  batch, dropout_base = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (batch, dropout_base)
+  )
+  lowered = side.lower_train_step(compared_state, batch, dropout_base)
+  names = side.argument_names(lowered, compared_state, batch, dropout_base)
   return lowered.as_text(), names
 
 
