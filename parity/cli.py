@@ -36,6 +36,8 @@ def cmd_specs(args) -> int:
     except ValueError as e:
       raise BadInput(str(e)) from None
   linen, nnx_side = make_sides(model_cfg, train_cfg)
+  if args.activations:
+    return _activation_specs(args, linen, nnx_side, train_cfg, mesh_sizes)
   linen_rows = tables.linen_rows(linen, mesh_sizes=mesh_sizes)
   nnx_rows = tables.nnx_rows(nnx_side, mesh_sizes=mesh_sizes)
   drift = tables.drift(linen_rows, nnx_rows, nnx_side.layout)
@@ -64,6 +66,45 @@ def cmd_specs(args) -> int:
         print(f'  {line}')
     else:
       print('specs equal on both sides')
+  return 1 if drift else 0
+
+
+def _activation_specs(args, linen, nnx_side, train_cfg, mesh_sizes) -> int:
+  """`parity specs --activations`: both sides' activation constraints (tracing only)."""
+  import jax
+  import jax.numpy as jnp
+
+  from parity import activations
+
+  batch = {
+      k: jax.ShapeDtypeStruct((train_cfg.batch_size, train_cfg.seq_len), jnp.int32)
+      for k in ('inputs', 'positions', 'segment_ids', 'targets')
+  }
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  linen_rows, nnx_rows = (
+      activations.rows(side, side.template, batch, key, mesh_sizes=mesh_sizes)
+      for side in (linen, nnx_side)
+  )
+  drift = activations.drift(linen_rows, nnx_rows)
+  if args.format == 'json':
+    print(json.dumps({
+        'preset': args.preset, 'scenario': args.scenario, 'mesh': args.mesh,
+        'equal': not drift, 'differences': drift, 'linen': linen_rows, 'nnx': nnx_rows,
+    }, indent=1))
+  else:
+    mesh = f', mesh {args.mesh}' if args.mesh else ''
+    print(f'preset {args.preset}, scenario {args.scenario}{mesh}: activation constraints of the'
+          ' train step, in program order (traced, nothing compiled)')
+    for name, rows in (('Linen', linen_rows), ('NNX', nnx_rows)):
+      print(f'\n{name}:')
+      print(activations.format_table(rows), end='')
+    print()
+    if drift:
+      print(f'activation specs differ between Linen and NNX ({len(drift)}):')
+      for line in drift:
+        print(f'  {line}')
+    else:
+      print('activation specs equal on both sides')
   return 1 if drift else 0
 
 
@@ -221,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
   specs.add_argument('--scenario', default='01_baseline', help='see `parity scenarios`')
   specs.add_argument('--mesh', default=None, help='e.g. fsdp=8 or data=2,fsdp=2,tensor=2')
   specs.add_argument('--format', choices=('table', 'json'), default='table')
+  specs.add_argument('--activations', action='store_true',
+                     help="the activation constraints' logical names instead of the parameters'")
   specs.set_defaults(func=cmd_specs)
 
   compare = sub.add_parser(

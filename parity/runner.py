@@ -118,12 +118,7 @@ class CompareResult:
   @property
   def memory_drift(self) -> list[str]:
     """Each memory-analysis field that differs, with both values (empty: equal to the byte)."""
-    out = []
-    for field in MEMORY_FIELDS:
-      a, b = self.linen.memory.get(field), self.nnx.memory.get(field)
-      if a != b:
-        out.append(f'{field} {b - a:+,} B' if a is not None and b is not None else f'{field} n/a')
-    return out
+    return memory_drift(self.linen.memory, self.nnx.memory)
 
   @property
   def memory_verdict(self) -> str:
@@ -303,6 +298,16 @@ def program_diff_of(linen: CompiledStep, nnx: CompiledStep) -> programs.ProgramD
 
 
 MEMORY_FIELDS = ('argument_bytes', 'output_bytes', 'temp_bytes', 'alias_bytes', 'peak_bytes')
+
+
+def memory_drift(linen: dict[str, Any], nnx: dict[str, Any]) -> list[str]:
+  """Each memory-analysis field that differs, as NNX minus Linen (empty: equal to the byte)."""
+  out = []
+  for field in MEMORY_FIELDS:
+    a, b = linen.get(field), nnx.get(field)
+    if a != b:
+      out.append(f'{field} {b - a:+,} B' if a is not None and b is not None else f'{field} n/a')
+  return out
 
 
 def memory_of(executable: jax.stages.Compiled, device: jax.Device) -> dict[str, Any]:

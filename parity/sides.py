@@ -81,6 +81,10 @@ class _Placement:
         return fn.func.lower(*fn.args, state, batch, dropout_base, **fn.keywords)
       return fn.lower(state, batch, dropout_base)
 
+  def train_step_function(self):
+    """The train step as this side runs it, a callable `(state, batch, dropout_base)`."""
+    return self._train_step
+
   def argument_names(self, lowered: jax.stages.Lowered, state, batch, dropout_base) -> list[str]:
     """A name per argument of the lowered step's `@main`, the same on both sides.
 

@@ -14,25 +14,17 @@ import pytest
 
 from bridge.layout import layout_for
 from models.config import SCENARIOS, get_configs
-from parity import programs
+from parity import programs, runner
 from tests.runs import mesh_run, tiny_run
 
 THREE_AXES = 'data=2,fsdp=2,tensor=2'
-MEMORY_FIELDS = ('argument_bytes', 'output_bytes', 'temp_bytes', 'alias_bytes', 'peak_bytes')
 SAME_LAYOUT = [s for s in sorted(SCENARIOS) if not layout_for(get_configs('tiny', s)[0]).moves]
 ALLOWED = [a.name for a in programs.ALLOWED]
 
 
-def _memory_drift(linen: dict, nnx: dict) -> list[str]:
-  return [
-      f'{field}: Linen {linen[field]:,} vs NNX {nnx[field]:,} ({nnx[field] - linen[field]:+,})'
-      for field in MEMORY_FIELDS if linen[field] != nnx[field]
-  ]
-
-
 def _check(memory: tuple[dict, dict], diff: programs.ProgramDiff) -> None:
-  assert all(memory[0].get(f) is not None for f in MEMORY_FIELDS), memory[0]
-  assert _memory_drift(*memory) == []
+  assert all(memory[0].get(f) is not None for f in runner.MEMORY_FIELDS), memory[0]
+  assert runner.memory_drift(*memory) == []
   assert diff.identical, diff.summary() + '\n' + diff.diff
   assert diff.allowed == ALLOWED
 
