@@ -12,6 +12,7 @@ XLA:CPU's buffer assignment; an accelerator's differ, but the comparison
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -30,26 +31,19 @@ def main() -> int:
   args = parser.parse_args()
   if args.mesh:
     from bridge.specs import parse_mesh_spec  # noqa: E402  (imports jax; no backend started)
-    count = 1
-    for size in parse_mesh_spec(args.mesh).values():
-      count *= size
+    count = math.prod(parse_mesh_spec(args.mesh).values())
     xla_env.add_flags([xla_env.host_device_count_flag(count)])
 
   import jax
-  import jax.numpy as jnp
 
   from bridge import specs
   from models.config import get_configs
   from parity import runner
-  from parity.sides import make_sides
+  from parity.sides import abstract_step_inputs, make_sides
 
   model_cfg, train_cfg = get_configs(args.preset, args.scenario)
   mesh = specs.make_mesh(args.mesh) if args.mesh else None
-  batch = {
-      k: jax.ShapeDtypeStruct((train_cfg.batch_size, train_cfg.seq_len), jnp.int32)
-      for k in ('inputs', 'positions', 'segment_ids', 'targets')
-  }
-  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  batch, key = abstract_step_inputs(model_cfg, train_cfg)
   device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
   print(f'preset {args.preset} ({model_cfg.param_count():,} parameters), scenario'
         f' {args.scenario}, mesh {args.mesh or "none (one device)"}', flush=True)

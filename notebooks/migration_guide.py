@@ -114,7 +114,7 @@ from models.nnx import layers as nnx_layers
 from models.nnx import train as nnx_train
 from parity import activations, checkpoints, cli, tables
 from parity.bitwise import assert_bitwise_equal, compare_trees
-from parity.sides import as_jax_batch, make_sides
+from parity.sides import abstract_step_inputs, as_jax_batch, make_sides
 
 print(f'jax {jax.__version__}, flax {flax.__version__}, {jax.device_count()} {jax.default_backend()} devices')
 assert jax.device_count() >= 8, 'section 4 needs 8 devices: restart the kernel and run this cell first'
@@ -461,9 +461,7 @@ except TreeMismatchError as e:
 # (`parity specs --activations` prints the same tables).
 
 # %%
-activation_batch = {k: jax.ShapeDtypeStruct((train_cfg.batch_size, train_cfg.seq_len), jnp.int32)
-                    for k in ('inputs', 'positions', 'segment_ids', 'targets')}
-activation_key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+activation_batch, activation_key = abstract_step_inputs(model_cfg, train_cfg)  # shapes only
 linen_acts, nnx_acts = (
     activations.rows(side, side.template, activation_batch, activation_key, mesh_sizes=mesh_sizes)
     for side in (linen, nnx_side)

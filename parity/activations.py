@@ -27,7 +27,6 @@ import flax
 import flax.linen as nn
 import jax
 import jax.extend as jex
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -81,7 +80,7 @@ def rows(
   `state`, `batch` and `dropout_base` may be abstract (ShapeDtypeStructs).
   """
   names = sorted({name for name, _ in rules})
-  devices = np.array(jax.devices('cpu')[:1]).reshape((1,) * len(names))
+  devices = np.array(jax.devices()[:1]).reshape((1,) * len(names))  # traced, never run
   mesh = jax.sharding.Mesh(devices, tuple(names))
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch, dropout_base))
   step = side.train_step_function()
@@ -144,12 +143,3 @@ def format_table(rows: list[Row]) -> str:
         f" {format_names(r['logical'])}{physical}\n"
     )
   return ''.join(lines)
-
-
-def abstract_inputs(side: Any, batch: Mapping[str, np.ndarray]) -> tuple[Any, Any, Any]:
-  """The side's abstract state, a batch's shapes and the dropout key's, for `rows`."""
-  return (
-      side.template,
-      {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()},
-      jax.ShapeDtypeStruct((2,), jnp.uint32),
-  )

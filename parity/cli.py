@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Sequence
 
@@ -25,8 +26,8 @@ def _configs(args):
 
 def cmd_specs(args) -> int:
   from bridge import specs
-  from parity import tables
-  from parity.sides import make_sides
+  from parity import activations, tables
+  from parity.sides import abstract_step_inputs, make_sides
 
   model_cfg, train_cfg = _configs(args)
   mesh_sizes = None
@@ -37,17 +38,29 @@ def cmd_specs(args) -> int:
       raise BadInput(str(e)) from None
   linen, nnx_side = make_sides(model_cfg, train_cfg)
   if args.activations:
-    return _activation_specs(args, linen, nnx_side, train_cfg, mesh_sizes)
-  linen_rows = tables.linen_rows(linen, mesh_sizes=mesh_sizes)
-  nnx_rows = tables.nnx_rows(nnx_side, mesh_sizes=mesh_sizes)
-  drift = tables.drift(linen_rows, nnx_rows, nnx_side.layout)
-  count = tables.param_count(linen_rows)
+    batch, key = abstract_step_inputs(model_cfg, train_cfg)
+    linen_rows, nnx_rows = (
+        activations.rows(side, side.template, batch, key, mesh_sizes=mesh_sizes)
+        for side in (linen, nnx_side)
+    )
+    drift = activations.drift(linen_rows, nnx_rows)
+    what, extra = 'activation specs', {}
+    heading = 'activation constraints of the train step, in program order (traced, nothing compiled)'
+    format_table = activations.format_table
+  else:
+    linen_rows = tables.linen_rows(linen, mesh_sizes=mesh_sizes)
+    nnx_rows = tables.nnx_rows(nnx_side, mesh_sizes=mesh_sizes)
+    drift = tables.drift(linen_rows, nnx_rows, nnx_side.layout)
+    count = tables.param_count(linen_rows)
+    what, extra = 'specs', {'param_count': count}
+    heading = f'{count:,} parameters (eval_shape, nothing allocated)'
+    format_table = tables.format_table
   if args.format == 'json':
     print(json.dumps({
         'preset': args.preset,
         'scenario': args.scenario,
         'mesh': args.mesh,
-        'param_count': count,
+        **extra,
         'equal': not drift,
         'differences': drift,
         'linen': linen_rows,
@@ -55,56 +68,17 @@ def cmd_specs(args) -> int:
     }, indent=1))
   else:
     mesh = f', mesh {args.mesh}' if args.mesh else ''
-    print(f'preset {args.preset}, scenario {args.scenario}{mesh}: {count:,} parameters (eval_shape, nothing allocated)')
+    print(f'preset {args.preset}, scenario {args.scenario}{mesh}: {heading}')
     for name, rows in (('Linen', linen_rows), ('NNX', nnx_rows)):
       print(f'\n{name}:')
-      print(tables.format_table(rows), end='')
+      print(format_table(rows), end='')
     print()
     if drift:
-      print(f'specs differ between Linen and NNX ({len(drift)}):')
+      print(f'{what} differ between Linen and NNX ({len(drift)}):')
       for line in drift:
         print(f'  {line}')
     else:
-      print('specs equal on both sides')
-  return 1 if drift else 0
-
-
-def _activation_specs(args, linen, nnx_side, train_cfg, mesh_sizes) -> int:
-  """`parity specs --activations`: both sides' activation constraints (tracing only)."""
-  import jax
-  import jax.numpy as jnp
-
-  from parity import activations
-
-  batch = {
-      k: jax.ShapeDtypeStruct((train_cfg.batch_size, train_cfg.seq_len), jnp.int32)
-      for k in ('inputs', 'positions', 'segment_ids', 'targets')
-  }
-  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-  linen_rows, nnx_rows = (
-      activations.rows(side, side.template, batch, key, mesh_sizes=mesh_sizes)
-      for side in (linen, nnx_side)
-  )
-  drift = activations.drift(linen_rows, nnx_rows)
-  if args.format == 'json':
-    print(json.dumps({
-        'preset': args.preset, 'scenario': args.scenario, 'mesh': args.mesh,
-        'equal': not drift, 'differences': drift, 'linen': linen_rows, 'nnx': nnx_rows,
-    }, indent=1))
-  else:
-    mesh = f', mesh {args.mesh}' if args.mesh else ''
-    print(f'preset {args.preset}, scenario {args.scenario}{mesh}: activation constraints of the'
-          ' train step, in program order (traced, nothing compiled)')
-    for name, rows in (('Linen', linen_rows), ('NNX', nnx_rows)):
-      print(f'\n{name}:')
-      print(activations.format_table(rows), end='')
-    print()
-    if drift:
-      print(f'activation specs differ between Linen and NNX ({len(drift)}):')
-      for line in drift:
-        print(f'  {line}')
-    else:
-      print('activation specs equal on both sides')
+      print(f'{what} equal on both sides')
   return 1 if drift else 0
 
 
@@ -141,9 +115,7 @@ def prepare_xla(args) -> None:
       sizes = specs.parse_mesh_spec(mesh)
     except ValueError as e:
       raise BadInput(str(e)) from None
-    count = 1
-    for size in sizes.values():
-      count *= size
+    count = math.prod(sizes.values())
     flags.append(xla_env.host_device_count_flag(count))
   if args.command == 'compare' and not args.nondeterministic_gpu:
     flags.extend(xla_env.GPU_DETERMINISTIC_FLAGS)

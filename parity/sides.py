@@ -26,7 +26,7 @@ from flax import nnx
 from bridge import layout as layout_lib
 from bridge import specs as specs_lib
 from bridge import train_state as bridge_state
-from models import compat
+from models import compat, data, rng
 from models.config import ModelConfig, TrainConfig
 from models.linen import train as linen_train
 from models.nnx import train as nnx_train
@@ -35,6 +35,15 @@ from parity import programs
 
 def as_jax_batch(batch: dict[str, Any]) -> dict[str, jax.Array]:
   return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+def abstract_step_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig):
+  """(batch, dropout key) of a train step as ShapeDtypeStructs (for tracing and lowering)."""
+  batch = {
+      k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+      for k, v in data.make_batch(model_cfg, train_cfg, 0).items()
+  }
+  return batch, jax.eval_shape(rng.base_key, 0)
 
 
 class _Placement:
@@ -54,6 +63,9 @@ class _Placement:
 
   def _shardings(self, logical_specs: Any) -> Any:
     return nn.logical_to_mesh_sharding(logical_specs, self.mesh, list(self.rules))
+
+  def checkpoint_shardings(self) -> dict[str, jax.sharding.NamedSharding]:
+    return self._checkpoint_leaves(self.state_shardings)
 
   def abstract_checkpoint(self) -> dict[str, jax.ShapeDtypeStruct]:
     """`{checkpoint path: ShapeDtypeStruct}`, with this side's target sharding on a mesh."""
@@ -173,9 +185,6 @@ class LinenSide(_Placement):
     leaves = jax.tree.leaves(self._shardings(nn.get_partition_spec(boxed)))
     return jax.tree.unflatten(jax.tree.structure(self.template), leaves)
 
-  def checkpoint_shardings(self) -> dict[str, jax.sharding.NamedSharding]:
-    return bridge_state.linen_to_checkpoint_leaves(self.state_shardings)
-
   def _checkpoint_leaves(self, tree) -> dict[str, Any]:
     return bridge_state.linen_to_checkpoint_leaves(tree)
 
@@ -257,9 +266,6 @@ class NnxSide(_Placement):
     if self.mesh is None:
       return None
     return self._shardings(nnx.get_partition_spec(self.template))
-
-  def checkpoint_shardings(self) -> dict[str, jax.sharding.NamedSharding]:
-    return bridge_state.nnx_to_checkpoint_leaves(self.state_shardings, self.layout)
 
   def _checkpoint_leaves(self, tree) -> dict[str, Any]:
     return bridge_state.nnx_to_checkpoint_leaves(tree, self.layout)

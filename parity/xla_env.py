@@ -8,17 +8,18 @@ Three needs, each a named set of flags:
   approximations, and Eigen may split a contraction over as many threads as
   the host has cores. Each changes loss bits between machines (measured:
   the golden loss records of one CPU failed on another from step 1 or 2
-  on). With these flags the per-step losses of every scenario are the same
-  bits on an AMD EPYC (AVX-512, avx512_bf16), on the same machine pinned to
-  one core, and under an emulated Intel Haswell and AMD Rome (other cache
-  sizes, vendor and model, no AVX-512). Any x86-64 CPU with AVX2 and FMA
-  runs them; the suite and the golden records use them.
+  on). With these flags the per-step losses are the same bits on an AMD
+  EPYC (AVX-512, avx512_bf16), on the same machine pinned to one core, and
+  under qemu's Intel Haswell model (another vendor, cache sizes and no
+  AVX-512; checked there for 5 of the 11 scenarios). Any x86-64 CPU with
+  AVX2 and FMA runs them; the suite and the golden records use them. Not
+  covered: other architectures (ARM), and real second CPUs beyond these.
 * **Deterministic GPU** (`GPU_DETERMINISTIC_FLAGS`): XLA:GPU's scatter and
   reduction kernels may add in a different order on every run (atomics,
-  autotuned algorithms); bitwise runs on a GPU need them off. Measured on an
-  H100: without the flag `08_bf16_weights` and `09_tied_logits` diverge
-  across sides; with it every scenario checked is bit-identical. The flag
-  is read only by the GPU backend.
+  autotuned algorithms); bitwise runs on a GPU need them off. Reported from
+  an H100 run (jax 0.11): without the flag `08_bf16_weights` and
+  `09_tied_logits` diverge across sides, with it they are bit-identical.
+  The flag is read only by the GPU backend.
 * **CPU devices for a mesh** (`host_device_count_flag`): jax on CPU has one
   device unless told before it starts.
 
@@ -94,12 +95,3 @@ def backends_started() -> bool:
   except ImportError:  # pragma: no cover - a jax without this module
     return True
   return bool(getattr(xla_bridge, '_backends', None))
-
-
-def flag_value(name: str, environ: MutableMapping[str, str] | None = None) -> str | None:
-  """The value of flag `name` ('--xla_...') in `XLA_FLAGS` (the last one wins), or None."""
-  value = None
-  for flag in current_flags(environ):
-    if flag_name(flag) == name:
-      value = flag.split('=', 1)[1] if '=' in flag else 'true'
-  return value

@@ -9,14 +9,12 @@ methods, with the same logical names and the same physical specs on the
 """
 import functools
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from bridge import specs
 from models.config import SCENARIOS, get_configs, get_preset
 from parity import activations
-from parity.sides import make_sides
+from parity.sides import abstract_step_inputs, make_sides
 from tests.golden import check_golden
 
 THREE_AXES = specs.parse_mesh_spec('data=2,fsdp=2,tensor=2')
@@ -26,12 +24,7 @@ FSDP8 = specs.parse_mesh_spec('fsdp=8')
 @functools.cache
 def _tables(model_cfg, train_cfg, mesh_sizes: tuple):
   sides = make_sides(model_cfg, train_cfg)
-  # Shapes only: the default preset's batch is never built.
-  batch = {
-      k: jax.ShapeDtypeStruct((train_cfg.batch_size, train_cfg.seq_len), jnp.int32)
-      for k in ('inputs', 'positions', 'segment_ids', 'targets')
-  }
-  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  batch, key = abstract_step_inputs(model_cfg, train_cfg)
   return tuple(
       activations.rows(side, side.template, batch, key, mesh_sizes=dict(mesh_sizes))
       for side in sides

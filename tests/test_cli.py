@@ -40,6 +40,27 @@ def test_specs_json_reproduces_the_design_table(capsys):
     assert {r['dtype'] for r in out[side]} == {'float32'}
 
 
+def test_specs_activations_json_matches_the_golden_and_the_seed_logs(capsys):
+  from parity import activations
+  from tests.golden import GOLDEN_DIR
+
+  args = ['specs', '--activations', '--preset', 'default', '--mesh', 'fsdp=8']
+  assert cli.main(args + ['--format', 'json']) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out['equal'] is True and out['differences'] == []
+  golden = (GOLDEN_DIR / 'default_activation_specs_fsdp8.txt').read_text()
+  for side in ('linen', 'nnx'):
+    assert activations.format_table(out[side]) == golden
+  names = {tuple(r['logical']) for r in out['linen']}
+  # The activation names the seed logs print (DESIGN.md).
+  assert ('activation_batch', 'activation_norm_length', 'activation_embed') in names
+  assert ('activation_kv_batch', 'activation_attn_length', 'activation_kv_heads',
+          'activation_kv_head_dim') in names
+  assert ('activation_batch', 'activation_length', 'activation_mlp') in names
+  assert cli.main(args) == 0
+  assert capsys.readouterr().out.endswith('activation specs equal on both sides\n')
+
+
 SIDE_KEYS = ('losses', 'loss_hex', 'step_times', 'compile_s', 'checkpoint_s', 'avg_step_s',
              'tokens_per_s', 'tflops_per_s', 'memory')
 

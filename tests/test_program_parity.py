@@ -73,3 +73,4 @@ def test_the_other_layout_is_a_stated_program_difference():
   result = tiny_run('10_scan_axis0')
   assert layout_for(result.model_cfg).moves
   assert not result.program_diff.identical
+  assert 'axis 0' in result.expected_difference and result.same_program

@@ -2,14 +2,14 @@
 
 The golden loss record (tests/golden/losses/jax-X.Y/<scenario>.txt, one hex
 float per step) catches a change that moves both sides alike, which a
-side-by-side comparison cannot. The records are exact, and they hold on any
-x86-64 CPU with AVX2 and FMA because the suite runs XLA:CPU with
+side-by-side comparison cannot. The records are exact; they are meant to
+hold on any x86-64 CPU with AVX2 and FMA because the suite runs XLA:CPU with
 `parity.xla_env.PORTABLE_CPU_FLAGS` (root conftest.py): without them the
 kernels, vector width, math approximations and thread split follow the host
 and the bits move by about 1e-5 from step 2 on. Measured with the flags: the
-same bits on an AMD EPYC with AVX-512, on one core of it, and under emulated
-Intel Haswell and AMD Rome CPUs; changing the z-loss weight or the RoPE
-timescale in the shared config fails every record. XLA's CPU code generation
+same bits on an AMD EPYC with AVX-512, on one core of it, and under qemu's
+Intel Haswell model (5 of 11 scenarios checked there); changing the z-loss
+weight or the RoPE timescale in the shared config fails every record. XLA's CPU code generation
 still differs between jax minor versions, so there is one record per jax
 minor version; a version with no record fails and says how to create it.
 """
