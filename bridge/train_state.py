@@ -52,7 +52,7 @@ def nnx_params_to_linen(nnx_params: Any, linen_variables: Any, layout: Layout = 
 def linen_to_checkpoint(linen_state: Any) -> dict[str, Any]:
   """The flat checkpoint layout of a Linen TrainState (it is that layout)."""
   flat = paths.flatten(linen_state)
-  flat['step'] = _convert_step(flat['step'], LINEN_STEP_DTYPE)
+  flat['step'] = convert_step(flat['step'], LINEN_STEP_DTYPE)
   return flat
 
 
@@ -62,7 +62,7 @@ def nnx_to_checkpoint(nnx_state: Any, layout: Layout = IDENTITY) -> dict[str, An
       paths.flatten(nnx_state),
       _fp8_paths(nnx_state),
       on_param=layout.array_to_linen,
-      on_step=lambda x: _convert_step(x, LINEN_STEP_DTYPE),
+      on_step=lambda x: convert_step(x, LINEN_STEP_DTYPE),
   )
 
 
@@ -129,7 +129,7 @@ def _nnx_to_checkpoint_layout(
       out['step'] = on_step(x)
     elif path.startswith('1/opt_state/'):
       rest = path[len('1/'):]
-      p = _param_suffix(rest, param_paths)
+      p = param_suffix(rest, param_paths)
       if p is None:
         out[rest] = x
       else:
@@ -147,7 +147,7 @@ def checkpoint_to_linen(flat: Mapping[str, Any], linen_state: Any) -> Any:
   """A Linen TrainState shaped like `linen_state`, filled from the checkpoint layout."""
   flat = dict(flat)
   if 'step' in flat:
-    flat['step'] = _convert_step(flat['step'], LINEN_STEP_DTYPE)
+    flat['step'] = convert_step(flat['step'], LINEN_STEP_DTYPE)
   template = linen_state.replace(step=jnp.zeros((), LINEN_STEP_DTYPE))
   return paths.fill('checkpoint -> Linen train state', template, flat)
 
@@ -163,9 +163,9 @@ def checkpoint_to_nnx(flat: Mapping[str, Any], nnx_state: Any, layout: Layout = 
       p = path[len('params/params/'):] if path.startswith('params/') else path[len(FP8_PREFIX):]
       out['0/' + p] = layout.array_to_nnx(p, x)
     elif path == 'step':
-      out['1/step'] = _convert_step(x, NNX_STEP_DTYPE)
+      out['1/step'] = convert_step(x, NNX_STEP_DTYPE)
     elif path.startswith('opt_state/'):
-      p = _param_suffix(path, param_paths)
+      p = param_suffix(path, param_paths)
       if p is not None and path[: len(path) - len(p)].endswith('/params/'):
         head = path[: len(path) - len(p) - len('params/')]
         out['1/' + head + p] = layout.array_to_nnx(p, x)
@@ -199,7 +199,7 @@ def _param_paths(flat: Mapping[str, Any], prefix: str) -> set[str]:
   return {p[len(prefix):] for p in flat if p.startswith(prefix)}
 
 
-def _param_suffix(path: str, param_paths: Iterable[str]) -> str | None:
+def param_suffix(path: str, param_paths: Iterable[str]) -> str | None:
   """The parameter path that `path` ends with (an optimizer leaf mirroring it)."""
   for p in param_paths:
     if path.endswith('/' + p):
@@ -207,7 +207,7 @@ def _param_suffix(path: str, param_paths: Iterable[str]) -> str | None:
   return None
 
 
-def _convert_step(value: Any, dtype: Any) -> Any:
+def convert_step(value: Any, dtype: Any) -> Any:
   """The step counter in `dtype`, exactly; stays on its device (and sharding)."""
   if not hasattr(value, 'shape'):
     value = np.asarray(value)

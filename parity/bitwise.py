@@ -110,3 +110,15 @@ def assert_bitwise_equal(a: Any, b: Any, what: str = 'trees') -> None:
     if len(diffs) > 50:
       lines.append(f'  ... and {len(diffs) - 50} more')
     raise AssertionError('\n'.join(lines))
+
+
+def max_ulp(a: Any, b: Any) -> int:
+  """Largest distance in units in the last place between two float arrays of one shape and dtype."""
+  a, b = np.asarray(a), np.asarray(b)
+  if a.shape != b.shape or a.dtype != b.dtype or not _is_float(a.dtype):
+    raise ValueError(f'max_ulp needs two float arrays of one shape and dtype, got {paths.describe(a)} and {paths.describe(b)}')
+  width = a.dtype.itemsize
+  bits_a, bits_b = raw_bits(a), raw_bits(b)
+  if not a.size:
+    return 0
+  return int(np.max(np.abs(_ordered(bits_a, width) - _ordered(bits_b, width))))

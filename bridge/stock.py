@@ -1,0 +1,134 @@
+"""Stock flax train states <-> one flat checkpoint layout, with module renames.
+
+For a user's own Linen/NNX pair built from stock pieces: a Linen
+`flax.training.train_state.TrainState` (optionally with extra collection
+fields such as `batch_stats`) and the NNX state of `(model, nnx.Optimizer)`.
+The checkpoint layout is the Linen one, flat: `step`, `params/<path>`,
+`<collection>/<path>` for each extra collection, and `opt_state/<...>/<path>`
+for each optimizer leaf mirroring a parameter. An NNX variable's collection
+is given by its type (`nnx.Param` -> `params`, `nnx.BatchStat` ->
+`batch_stats`, ...), and its module path is renamed by `Renames` (Linen's
+automatic `Conv_0` against NNX's attribute `conv1`).
+
+Pure and strict like bridge/train_state.py: templates give the target
+structure; a missing, extra or mismatched path raises TreeMismatchError.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from flax import nnx
+
+from bridge import paths
+from bridge.errors import Problem, TreeMismatchError
+from bridge.train_state import LINEN_STEP_DTYPE, NNX_STEP_DTYPE, convert_step, param_suffix
+
+# NNX variable type -> the Linen collection (TrainState field) it lives in.
+DEFAULT_COLLECTIONS: tuple[tuple[type[nnx.Variable], str], ...] = (
+    (nnx.Param, 'params'),
+    (nnx.BatchStat, 'batch_stats'),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Renames:
+  """Module path renames, `(linen prefix, nnx prefix)`, matched on whole path components.
+
+  The longest matching prefix wins; a path no rule matches keeps its name.
+  """
+
+  rules: tuple[tuple[str, str], ...] = ()
+
+  @staticmethod
+  def _apply(path: str, pairs) -> str:
+    best = None
+    for src, dst in pairs:
+      if (path == src or path.startswith(src + '/')) and (best is None or len(src) > len(best[0])):
+        best = (src, dst)
+    return path if best is None else best[1] + path[len(best[0]):]
+
+  def to_linen(self, nnx_path: str) -> str:
+    return self._apply(nnx_path, [(n, l) for l, n in self.rules])
+
+  def to_nnx(self, linen_path: str) -> str:
+    return self._apply(linen_path, self.rules)
+
+
+def _collection(variable_type: type, collections) -> str:
+  for t, name in collections:
+    if issubclass(variable_type, t):
+      return name
+  raise TreeMismatchError(
+      'NNX model variable',
+      [Problem(variable_type.__name__, 'type', 'one of ' + ', '.join(t.__name__ for t, _ in collections), 'other')],
+  )
+
+
+def _variable_types(nnx_template: Any) -> dict[str, type]:
+  return {
+      p: type(v) for p, v in paths.items(nnx_template, lambda x: isinstance(x, nnx.Variable))
+      if isinstance(v, nnx.Variable)
+  }
+
+
+def linen_to_checkpoint(linen_state: Any) -> dict[str, Any]:
+  """The checkpoint layout of a Linen TrainState (its own flat form; step as int32)."""
+  flat = paths.flatten(linen_state)
+  flat['step'] = convert_step(flat['step'], LINEN_STEP_DTYPE)
+  return flat
+
+
+def checkpoint_to_linen(flat: Mapping[str, Any], linen_template: Any) -> Any:
+  flat = dict(flat)
+  if 'step' in flat:
+    flat['step'] = convert_step(flat['step'], LINEN_STEP_DTYPE)
+  return paths.fill('checkpoint -> Linen train state', linen_template, flat)
+
+
+def nnx_to_checkpoint(
+    nnx_tree: Any,
+    renames: Renames,
+    nnx_template: Any | None = None,
+    collections=DEFAULT_COLLECTIONS,
+    convert=True,
+) -> dict[str, Any]:
+  """The checkpoint layout of the NNX state of `(model, optimizer)`.
+
+  `nnx_tree` may hold arrays or any other leaves shaped like the state (for
+  example shardings; then pass `convert=False` and the state as `nnx_template`).
+  """
+  types = _variable_types(nnx_tree if nnx_template is None else nnx_template)
+  flat = paths.flatten(nnx_tree)
+  param_paths = {p[2:] for p, t in types.items() if p.startswith('0/') and issubclass(t, nnx.Param)}
+  out: dict[str, Any] = {}
+  for path, x in flat.items():
+    if path.startswith('0/'):
+      p = path[2:]
+      out[_collection(types[path], collections) + '/' + renames.to_linen(p)] = x
+    elif path == '1/step':
+      out['step'] = convert_step(x, LINEN_STEP_DTYPE) if convert else x
+    elif path.startswith('1/opt_state/'):
+      rest = path[2:]
+      p = param_suffix(rest, param_paths)
+      out[rest if p is None else rest[: len(rest) - len(p)] + renames.to_linen(p)] = x
+    else:
+      raise TreeMismatchError(
+          'NNX train state',
+          [Problem(path, 'extra', 'model (0/...) or optimizer (1/...) leaf', 'other')],
+      )
+  return out
+
+
+def checkpoint_to_nnx(
+    flat: Mapping[str, Any], nnx_template: Any, renames: Renames, collections=DEFAULT_COLLECTIONS
+) -> Any:
+  """An NNX `(model, optimizer)` state shaped like `nnx_template`, from the checkpoint layout."""
+  wanted = nnx_to_checkpoint(nnx_template, renames, collections=collections, convert=False)
+  # Invert the mapping by the template's own paths: every checkpoint path has one NNX path.
+  back = dict(zip(wanted, paths.flatten(nnx_template)))
+  out = {}
+  for path, x in flat.items():
+    target = back.get(path, path)  # an unknown path is reported as extra by fill
+    out[target] = convert_step(x, NNX_STEP_DTYPE) if target == '1/step' else x
+  return paths.fill('checkpoint -> NNX train state', nnx_template, out)

@@ -1,0 +1,68 @@
+"""Configs and synthetic data of the two stock-layer model families.
+
+The reference decoder (models/config.py, models/data.py) is written layer by
+layer; these two are built from flax's stock layers on both sides, as a
+user's own migration would be, and are tested through the pytest plugin
+only (parity/plugin.py). Framework-free, like models/config.py: both sides
+read the same dataclasses and batches.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassifierConfig:
+  """A small convolutional classifier: conv, batch norm, relu, pool, twice; dropout; dense."""
+
+  image_size: int = 8
+  in_channels: int = 3
+  channels: tuple[int, int] = (8, 16)
+  num_classes: int = 10
+  dropout_rate: float = 0.1
+  batch_norm_momentum: float = 0.9
+  batch_norm: bool = True  # False: conv, relu, pool (isolates batch norm's program)
+  batch_size: int = 8
+  learning_rate: float = 1e-2
+  seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+  """A post-embedding transformer encoder: stock attention, layer norm and embedding."""
+
+  vocab_size: int = 64
+  emb_dim: int = 32
+  num_heads: int = 4
+  mlp_dim: int = 64
+  num_layers: int = 2
+  num_classes: int = 4
+  seq_len: int = 8
+  batch_size: int = 8
+  learning_rate: float = 1e-3
+  seed: int = 0
+  # NNX attention: 'stock' (nnx.MultiHeadAttention's default, jax.nn.dot_product_attention:
+  # logits scaled after q.k) or 'linen' (flax.linen's formula: the query scaled
+  # before q.k), which keeps the Linen model's numbers bit for bit.
+  nnx_attention: str = 'linen'
+
+
+def classifier_batch(cfg: ClassifierConfig, step: int, split: str = 'train') -> dict[str, np.ndarray]:
+  """{images: float32 [B, H, W, C], labels: int32 [B]}, a pure function of (seed, split, step)."""
+  rng = np.random.default_rng([cfg.seed, {'train': 0, 'eval': 1}[split], step])
+  shape = (cfg.batch_size, cfg.image_size, cfg.image_size, cfg.in_channels)
+  return {
+      'images': rng.standard_normal(shape, dtype=np.float32),
+      'labels': rng.integers(0, cfg.num_classes, cfg.batch_size).astype(np.int32),
+  }
+
+
+def encoder_batch(cfg: EncoderConfig, step: int, split: str = 'train') -> dict[str, np.ndarray]:
+  """{tokens: int32 [B, L], labels: int32 [B]}, a pure function of (seed, split, step)."""
+  rng = np.random.default_rng([cfg.seed, {'train': 0, 'eval': 1}[split], step])
+  return {
+      'tokens': rng.integers(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len)).astype(np.int32),
+      'labels': rng.integers(0, cfg.num_classes, cfg.batch_size).astype(np.int32),
+  }

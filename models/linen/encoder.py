@@ -1,0 +1,86 @@
+"""A transformer encoder classifier from flax's stock Linen layers.
+
+Mirrors models/nnx/encoder.py: `nn.Embed`, pre-norm layers of
+`nn.LayerNorm` + `nn.MultiHeadDotProductAttention` + a `nn.Dense` MLP, a
+final norm, mean pooling and a dense head, trained with the stock
+`TrainState`. Token id 0 is padding and is masked out of attention.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+from models.families import EncoderConfig
+
+
+class EncoderLayer(nn.Module):
+  cfg: EncoderConfig
+
+  @nn.compact
+  def __call__(self, x, mask):
+    cfg = self.cfg
+    y = nn.LayerNorm()(x)
+    y = nn.MultiHeadDotProductAttention(num_heads=cfg.num_heads, qkv_features=cfg.emb_dim)(
+        y, mask=mask, deterministic=True
+    )
+    x = x + y
+    y = nn.LayerNorm()(x)
+    y = nn.Dense(cfg.mlp_dim)(y)
+    y = nn.gelu(y)
+    return x + nn.Dense(cfg.emb_dim)(y)
+
+
+class Encoder(nn.Module):
+  cfg: EncoderConfig
+
+  @nn.compact
+  def __call__(self, tokens):
+    cfg = self.cfg
+    x = nn.Embed(cfg.vocab_size, cfg.emb_dim)(tokens)
+    mask = nn.make_attention_mask(tokens > 0, tokens > 0)
+    for i in range(cfg.num_layers):
+      x = EncoderLayer(cfg, name=f'layers_{i}')(x, mask)
+    x = nn.LayerNorm()(x)
+    return nn.Dense(cfg.num_classes)(jnp.mean(x, axis=1))
+
+
+TrainState = train_state.TrainState
+
+
+def make_optimizer(cfg: EncoderConfig) -> optax.GradientTransformation:
+  return optax.adamw(cfg.learning_rate)
+
+
+def create_train_state(cfg: EncoderConfig, seed: int) -> TrainState:
+  model = Encoder(cfg)
+  tokens = jnp.ones((1, cfg.seq_len), jnp.int32)
+  params = model.init(jax.random.PRNGKey(seed), tokens)['params']
+  return TrainState.create(apply_fn=model.apply, params=params, tx=make_optimizer(cfg))
+
+
+def cross_entropy(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+
+
+def loss_fn(params, state: TrainState, batch, dropout_key):
+  del dropout_key  # no dropout in this family
+  logits = state.apply_fn({'params': params}, batch['tokens'])
+  return cross_entropy(logits, batch['labels'])
+
+
+@jax.jit
+def train_step(state: TrainState, batch, dropout_base):
+  loss, grads = jax.value_and_grad(loss_fn)(state.params, state, batch, dropout_base)
+  return state.apply_gradients(grads=grads), {'loss': loss}
+
+
+@jax.jit
+def eval_step(state: TrainState, batch):
+  logits = state.apply_fn({'params': state.params}, batch['tokens'])
+  return {
+      'loss': cross_entropy(logits, batch['labels']),
+      'accuracy': jnp.mean(jnp.argmax(logits, -1) == batch['labels']),
+  }

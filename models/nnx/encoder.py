@@ -1,0 +1,100 @@
+"""A transformer encoder classifier from flax's stock NNX layers.
+
+Mirrors models/linen/encoder.py: `nnx.Embed`, pre-norm layers of
+`nnx.LayerNorm` + `nnx.MultiHeadAttention` + an `nnx.Linear` MLP, a final
+norm, mean pooling and a linear head, trained with the stock
+`nnx.Optimizer`. Token id 0 is padding and is masked out of attention.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from models.families import EncoderConfig
+
+
+def linen_dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal=False, module=None, **kwargs):
+  """flax.linen's attention as an `nnx.MultiHeadAttention` attention_fn.
+
+  The stock NNX path (`jax.nn.dot_product_attention`) multiplies the logits
+  by 1/sqrt(head_dim) after q.k; Linen divides the query before it. Same
+  constant, other rounding: outputs and query/key gradients differ by a few
+  ULP unless head_dim is a power of 4. This keeps Linen's order.
+  """
+  del module  # NNX passes it to sow attention weights; nothing is sown here
+  if is_causal:
+    raise NotImplementedError('is_causal: pass a causal mask instead')
+  return nn.dot_product_attention(query, key, value, bias, mask, **kwargs)
+
+
+ATTENTION_FNS = {'stock': nnx.dot_product_attention, 'linen': linen_dot_product_attention}
+
+
+class EncoderLayer(nnx.Module):
+
+  def __init__(self, cfg: EncoderConfig, *, rngs: nnx.Rngs):
+    self.norm1 = nnx.LayerNorm(cfg.emb_dim, rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(
+        cfg.num_heads, cfg.emb_dim, qkv_features=cfg.emb_dim, decode=False,
+        attention_fn=ATTENTION_FNS[cfg.nnx_attention], rngs=rngs,
+    )
+    self.norm2 = nnx.LayerNorm(cfg.emb_dim, rngs=rngs)
+    self.mlp_in = nnx.Linear(cfg.emb_dim, cfg.mlp_dim, rngs=rngs)
+    self.mlp_out = nnx.Linear(cfg.mlp_dim, cfg.emb_dim, rngs=rngs)
+
+  def __call__(self, x, mask):
+    x = x + self.attention(self.norm1(x), mask=mask, deterministic=True)
+    y = nnx.gelu(self.mlp_in(self.norm2(x)))
+    return x + self.mlp_out(y)
+
+
+class Encoder(nnx.Module):
+
+  def __init__(self, cfg: EncoderConfig, *, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.emb_dim, rngs=rngs)
+    self.layers = nnx.List([EncoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = nnx.LayerNorm(cfg.emb_dim, rngs=rngs)
+    self.head = nnx.Linear(cfg.emb_dim, cfg.num_classes, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    mask = nnx.make_attention_mask(tokens > 0, tokens > 0)
+    for layer in self.layers:
+      x = layer(x, mask)
+    return self.head(jnp.mean(self.final_norm(x), axis=1))
+
+
+def make_optimizer(cfg: EncoderConfig) -> optax.GradientTransformation:
+  return optax.adamw(cfg.learning_rate)
+
+
+def create_train_state(cfg: EncoderConfig, seed: int) -> tuple[Encoder, nnx.Optimizer]:
+  model = Encoder(cfg, rngs=nnx.Rngs(params=seed))
+  return model, nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+
+
+def cross_entropy(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+
+
+def loss_fn(model: Encoder, batch, dropout_key):
+  del dropout_key  # no dropout in this family
+  return cross_entropy(model(batch['tokens']), batch['labels'])
+
+
+@nnx.jit
+def train_step(model: Encoder, optimizer: nnx.Optimizer, batch, dropout_base):
+  loss, grads = nnx.value_and_grad(loss_fn)(model, batch, dropout_base)
+  optimizer.update(model, grads)
+  return {'loss': loss}
+
+
+@nnx.jit
+def eval_step(model: Encoder, batch):
+  logits = model(batch['tokens'])
+  return {
+      'loss': cross_entropy(logits, batch['labels']),
+      'accuracy': jnp.mean(jnp.argmax(logits, -1) == batch['labels']),
+  }

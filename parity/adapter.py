@@ -1,0 +1,138 @@
+"""The adapter API: what one side of a migration gives the battery.
+
+A `Side` is one framework's implementation of a model and its training: the
+reference decoder's sides (parity/sides.py) and the stock-state sides
+(parity/stock.py) both implement it, and the runner, checkpoints, program
+comparison and the pytest plugin (parity/plugin.py) take any pair of them.
+
+Everything crosses between sides through one flat checkpoint layout,
+`{path: array}`: states, gradients and shardings. A `Pair` declares the
+two sides of one migration, the data they train on, and any difference the
+user has proven inherent (`KnownDifference`), which the battery then
+asserts as a bound instead of bitwise equality, for that path only.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+import jax
+
+Flat = dict[str, Any]
+
+
+@runtime_checkable
+class Side(Protocol):
+  """One side of a migration. States are pytrees; the step functions are compiled once."""
+
+  name: str  # 'linen' or 'nnx'
+  mesh: jax.sharding.Mesh | None  # where the side runs (None: one device)
+
+  def init(self, seed: int) -> Any:
+    """A fresh train state (in its target shardings on a mesh)."""
+
+  def place_batch(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """A batch of numpy arrays as the step takes it (split over the mesh's batch axis)."""
+
+  def train_step(self, state: Any, batch: Any, dropout_base: jax.Array) -> tuple[Any, Mapping[str, jax.Array]]:
+    """(next state, metrics with at least `loss`)."""
+
+  def eval_step(self, state: Any, batch: Any) -> Mapping[str, jax.Array]:
+    """Metrics of the model in eval mode."""
+
+  def loss_and_grad(self, state: Any, batch: Any, dropout_key: jax.Array) -> tuple[jax.Array, Flat]:
+    """(loss, `{checkpoint path of a parameter: gradient}`) of one train-mode pass."""
+
+  def to_checkpoint(self, state: Any) -> Flat:
+    """The state in the checkpoint layout."""
+
+  def from_checkpoint(self, flat: Mapping[str, Any]) -> Any:
+    """A state from the checkpoint layout (placed in the side's shardings)."""
+
+  def abstract_checkpoint(self) -> dict[str, jax.ShapeDtypeStruct]:
+    """`{checkpoint path: ShapeDtypeStruct}` with the side's target sharding on a mesh."""
+
+  def param_specs(self) -> dict[str, tuple[str | None, ...]]:
+    """`{checkpoint path of a parameter: logical axis names}` (`()`: none declared)."""
+
+  def lower_train_step(self, state: Any, batch: Any, dropout_base: Any) -> jax.stages.Lowered:
+    """The train step lowered for these (possibly abstract) arguments."""
+
+  def comparison_state(self, state: Any) -> Any:
+    """The state the program comparison traces with (the allowed differences removed)."""
+
+  def argument_names(self, lowered: jax.stages.Lowered, state: Any, batch: Any, dropout_base: Any) -> list[str]:
+    """A name per argument of the lowered step, the same on both sides (checkpoint paths)."""
+
+  def probe(self, state: Any, batch: Any, dropout_key: jax.Array) -> 'Probe':
+    """Every module's forward output, output cotangent and parameter gradients (the localizer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+  """What the localizer compares, keyed by module path in the checkpoint naming.
+
+  `order` lists module calls in forward execution order (`path#call` when a
+  module runs more than once).
+  """
+
+  order: list[str]
+  inputs: Flat  # each call's first argument (float arrays only)
+  outputs: Flat
+  cotangents: Flat
+  param_grads: Flat  # checkpoint path of a parameter -> gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownDifference:
+  """A difference proven inherent to the frameworks, for the module paths it names only.
+
+  `paths`: checkpoint paths (or `prefix/*`) whose values may differ in
+  `passes` (any of 'grads', 'train', 'eval'), each within `max_ulp` units in
+  the last place; with 'forward', module paths where the localizer may find
+  the forward divergence starting, within `max_ulp`; or, with 'program' in `passes`, the modules whose stock
+  implementations lower differently, the canonical programs then differing
+  by at most `max_changed_lines` lines. `reason` (the cause, with its
+  evidence) goes into the report and every failure message.
+  """
+
+  paths: tuple[str, ...]
+  passes: tuple[str, ...]
+  reason: str
+  max_ulp: int = 0
+  max_changed_lines: int = 0
+
+  def covers(self, path: str, pass_name: str) -> bool:
+    if pass_name not in self.passes:
+      return False
+    return any(path == p or (p.endswith('/*') and path.startswith(p[:-1])) for p in self.paths)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pair:
+  """The two sides of one migration, and what to train them on.
+
+  `make_sides(mesh)` returns `(linen side, nnx side)` placed on `mesh` (None:
+  one device); `batch(step, split)` gives a batch of numpy arrays for
+  'train' or 'eval'. `meshes` are the mesh specs ('data=8', ...) the
+  sharded part runs on. `steps` is the length of the training runs.
+  """
+
+  name: str
+  make_sides: Callable[[jax.sharding.Mesh | None], tuple[Side, Side]]
+  batch: Callable[[int, str], Mapping[str, Any]]
+  steps: int = 4
+  meshes: Sequence[str] = ('data=8',)
+  batch_axis: str = 'data'
+  known_differences: tuple[KnownDifference, ...] = ()
+  seed: int = 0
+  parts: Sequence[str] | None = None  # the battery's parts for this pair (None: all)
+
+  def program_difference(self) -> KnownDifference | None:
+    return next((d for d in self.known_differences if 'program' in d.passes), None)
+
+  def known(self, path: str, pass_name: str) -> KnownDifference | None:
+    for d in self.known_differences:
+      if d.covers(path, pass_name):
+        return d
+    return None

@@ -1,0 +1,286 @@
+"""The equivalence battery of one declared pair: the checks the plugin turns into tests.
+
+Each `check_*` function takes a `Pair` (parity/adapter.py) and raises
+AssertionError with a bitwise report naming every differing path; they are
+plain functions so the CLI and notebooks can run them too. Runs that several
+checks read (a pair's sides, its common start, training trajectories) are
+computed once per process (`_runs`).
+"""
+from __future__ import annotations
+
+import functools
+import tempfile
+from typing import Any, Mapping
+
+import jax
+
+from bridge import paths
+from bridge import specs as specs_lib
+from models import rng
+from parity import adapter, bitwise, checkpoints, localize, programs, runner
+
+from parity.plugin import DIRECTIONS, PARTS  # noqa: F401  (jax-free constants)
+
+
+class _Runs:
+  """What a pair's checks share, computed on first use."""
+
+  def __init__(self, pair: adapter.Pair):
+    self.pair = pair
+
+  @functools.cache
+  def sides(self, mesh_spec: str | None = None) -> tuple[adapter.Side, adapter.Side]:
+    mesh = None if mesh_spec is None else specs_lib.make_mesh(mesh_spec)
+    return self.pair.make_sides(mesh)
+
+  def side(self, name: str, mesh_spec: str | None = None) -> adapter.Side:
+    return dict(zip(('linen', 'nnx'), self.sides(mesh_spec)))[name]
+
+  def batch(self, step: int, split: str = 'train', mesh_spec: str | None = None):
+    side = self.sides(mesh_spec)[0]
+    return side.place_batch(self.pair.batch(step, split))
+
+  @functools.cache
+  def dropout_base(self):
+    return rng.base_key(self.pair.seed)
+
+  @functools.cache
+  def start(self, init_side: str, mesh_spec: str | None = None) -> dict[str, Any]:
+    """`init_side`'s fresh state in the checkpoint layout."""
+    side = self.side(init_side, mesh_spec)
+    return side.to_checkpoint(side.init(self.pair.seed))
+
+  @functools.cache
+  def trajectory(self, side_name: str, init_side: str, mesh_spec: str | None = None):
+    """(losses, final state in the checkpoint layout) of `pair.steps` steps from `init_side`'s init."""
+    side = self.side(side_name, mesh_spec)
+    state = side.from_checkpoint(self.start(init_side, mesh_spec))
+    losses = []
+    for step in range(self.pair.steps):
+      state, metrics = side.train_step(state, self.batch(step, mesh_spec=mesh_spec), self.dropout_base())
+      losses.append(metrics['loss'])
+    return losses, side.to_checkpoint(state), state
+
+  @functools.cache
+  def probe(self, side_name: str) -> adapter.Probe:
+    side = self.side(side_name)
+    state = side.from_checkpoint(self.start('linen'))
+    return side.probe(state, self.batch(0), rng.step_key(self.dropout_base(), 0, 0))
+
+  def localization_lines(self) -> list[str]:
+    try:
+      result = localize.localize(self.probe('linen'), self.probe('nnx'))
+    except Exception as e:  # the localizer must never hide the failure it explains
+      return [f'localizer failed: {type(e).__name__}: {e}']
+    return result.lines()
+
+  @functools.cache
+  def compiled(self, side_name: str) -> runner.CompiledStep:
+    side = self.side(side_name)
+    state = side.from_checkpoint(self.start('linen'))
+    return runner.compile_step(side, state, self.batch(0), self.dropout_base())
+
+
+@functools.cache
+def _runs(pair: adapter.Pair) -> _Runs:
+  return _Runs(pair)
+
+
+def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping[str, Any], what: str) -> list[str]:
+  """Bitwise, except declared differences, which must hold their bound.
+
+  Returns one line per declared difference seen (with its measured ULP);
+  raises AssertionError listing everything else that differs.
+  """
+  seen, problems = [], []
+  for d in bitwise.compare_trees(dict(a), dict(b)):
+    known = pair.known(d.path, pass_name) if d.kind == 'bits' else None
+    if known is None:
+      problems.append(str(d))
+      continue
+    ulp = bitwise.max_ulp(a[d.path], b[d.path])
+    line = f'{d.path}: {ulp} ULP (declared bound {known.max_ulp}: {known.reason})'
+    (seen if ulp <= known.max_ulp else problems).append(line)
+  if problems:
+    raise AssertionError(
+        f'{pair.name}: {what} are not bit-identical: {len(problems)} leaf/leaves differ\n  '
+        + '\n  '.join(problems[:50])
+    )
+  return seen
+
+
+def _with_localization(pair: adapter.Pair, error: AssertionError) -> AssertionError:
+  lines = _runs(pair).localization_lines()
+  return AssertionError(f'{error}\nlocalizer (step 0, train mode):\n  ' + '\n  '.join(lines))
+
+
+def check_structure(pair: adapter.Pair) -> None:
+  linen, nnx_side = _runs(pair).sides()
+  paths.check_leaves(
+      f'{pair.name}: NNX state vs Linen state (checkpoint layout)',
+      linen.abstract_checkpoint(), nnx_side.abstract_checkpoint(),
+  )
+
+
+def check_specs(pair: adapter.Pair) -> None:
+  linen, nnx_side = _runs(pair).sides()
+  specs_lib.check_no_drift(linen.param_specs(), nnx_side.param_specs(), f'{pair.name} parameters')
+
+
+def check_grads(pair: adapter.Pair) -> list[str]:
+  runs = _runs(pair)
+  start = runs.start('linen')
+  key = rng.step_key(runs.dropout_base(), 0, 0)
+  out = {}
+  for side in runs.sides():
+    loss, grads = side.loss_and_grad(side.from_checkpoint(start), runs.batch(0), key)
+    out[side.name] = {'loss': loss, **grads}
+  try:
+    return compare(pair, 'grads', out['linen'], out['nnx'], 'loss and gradients')
+  except AssertionError as e:
+    raise _with_localization(pair, e) from None
+
+
+def check_train(pair: adapter.Pair, init_side: str) -> list[str]:
+  runs = _runs(pair)
+  (la, fa, _), (lb, fb, _) = (runs.trajectory(s, init_side) for s in ('linen', 'nnx'))
+  losses = lambda ls: {f'loss/step_{i}': x for i, x in enumerate(ls)}
+  try:
+    return compare(pair, 'train', {**losses(la), **fa}, {**losses(lb), **fb},
+                   f'{pair.steps} train steps from {init_side} init (losses, final state)')
+  except AssertionError as e:
+    raise _with_localization(pair, e) from None
+
+
+def check_eval(pair: adapter.Pair) -> list[str]:
+  runs = _runs(pair)
+  out = {}
+  for side in runs.sides():
+    *_, state = runs.trajectory(side.name, 'linen')
+    out[side.name] = dict(side.eval_step(state, runs.batch(0, 'eval')))
+  return compare(pair, 'eval', out['linen'], out['nnx'], 'eval metrics after training')
+
+
+def check_checkpoint(pair: adapter.Pair, direction: str) -> None:
+  runs = _runs(pair)
+  src_name, dst_name = direction.split('->')
+  src, dst = runs.side(src_name), runs.side(dst_name)
+  *_, state = runs.trajectory(src_name, 'linen')
+  with tempfile.TemporaryDirectory() as d:
+    manager = checkpoints.open_manager(d)
+    checkpoints.save(manager, 1, src, state, runs.dropout_base())
+    restored, key = checkpoints.restore(manager, 1, dst)
+    manager.close()
+  bitwise.assert_bitwise_equal(
+      {**src.to_checkpoint(state), 'dropout_base': runs.dropout_base()},
+      {**dst.to_checkpoint(restored), 'dropout_base': key},
+      f'{pair.name}: checkpoint {direction} (saved vs restored, checkpoint layout)',
+  )
+
+
+def check_resume(pair: adapter.Pair, direction: str) -> None:
+  """Train on one side, save half-way, restore into the other, finish: same as never stopping."""
+  runs = _runs(pair)
+  src_name, dst_name = direction.split('->')
+  src, dst = runs.side(src_name), runs.side(dst_name)
+  half = pair.steps // 2
+  state = src.from_checkpoint(runs.start('linen'))
+  losses = []
+  for step in range(half):
+    state, m = src.train_step(state, runs.batch(step), runs.dropout_base())
+    losses.append(m['loss'])
+  with tempfile.TemporaryDirectory() as d:
+    manager = checkpoints.open_manager(d)
+    checkpoints.save(manager, half, src, state, runs.dropout_base())
+    state, key = checkpoints.restore(manager, half, dst)
+    manager.close()
+  for step in range(half, pair.steps):
+    state, m = dst.train_step(state, runs.batch(step), key)
+    losses.append(m['loss'])
+  ref_losses, ref_final, _ = runs.trajectory(src_name, 'linen')
+  as_dict = lambda ls: {f'loss/step_{i}': x for i, x in enumerate(ls)}
+  compare(pair, 'train', {**as_dict(ref_losses), **ref_final}, {**as_dict(losses), **dst.to_checkpoint(state)},
+          f'resume {direction} at step {half} vs an uninterrupted {src_name} run')
+
+
+def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
+  """Both sides on `mesh_spec`: equal losses and final state, same shardings and annotations."""
+  runs = _runs(pair)
+  (la, fa, sa), (lb, fb, sb) = (runs.trajectory(s, 'linen', mesh_spec) for s in ('linen', 'nnx'))
+  losses = lambda ls: {f'loss/step_{i}': x for i, x in enumerate(ls)}
+  seen = compare(pair, 'train', {**losses(la), **fa}, {**losses(lb), **fb},
+                 f'{pair.steps} train steps on mesh {mesh_spec}')
+  linen, nnx_side = runs.sides(mesh_spec)
+  shardings = [
+      {p: specs_lib.describe_sharding(x.sharding) for p, x in side.to_checkpoint(s).items()}
+      for side, s in ((linen, sa), (nnx_side, sb))
+  ]
+  drift = [f'{p}: linen {shardings[0][p]} vs nnx {shardings[1].get(p)}'
+           for p in shardings[0] if shardings[0][p] != shardings[1].get(p)]
+  assert not drift, f'{pair.name}: final state shardings differ on {mesh_spec}:\n  ' + '\n  '.join(drift)
+  batch = runs.batch(0, mesh_spec=mesh_spec)
+  texts = [
+      side.lower_train_step(side.from_checkpoint(runs.start('linen', mesh_spec)), batch, runs.dropout_base()).as_text()
+      for side in (linen, nnx_side)
+  ]
+  a, b = (programs.sharding_annotations(t) for t in texts)
+  assert a == b, (
+      f'{pair.name}: sharding annotations of the train steps differ on {mesh_spec}:'
+      f' only linen {dict(a - b)}, only nnx {dict(b - a)}'
+  )
+  return seen
+
+
+def check_memory(pair: adapter.Pair) -> None:
+  runs = _runs(pair)
+  device = jax.devices()[0]
+  mem = [runs.compiled(s).memory(device) for s in ('linen', 'nnx')]
+  drift = runner.memory_drift(*mem)
+  assert not drift, f'{pair.name}: XLA memory analysis of the train steps differs: NNX ' + ', '.join(drift)
+
+
+def check_program(pair: adapter.Pair) -> list[str]:
+  """Canonical programs identical, or within the pair's declared program difference."""
+  runs = _runs(pair)
+  d = runner.program_diff_of(runs.compiled('linen'), runs.compiled('nnx'))
+  known = pair.program_difference()
+  if d.identical:
+    return []
+  assert known is not None and d.changed_lines <= known.max_changed_lines, (
+      f'{pair.name}: {d.summary()}'
+      + ('' if known is None else
+         f' (declared bound {known.max_changed_lines} lines in {", ".join(known.paths)}: {known.reason})')
+      + f'\n{d.diff}'
+  )
+  return [f'{d.changed_lines} canonical lines (declared bound {known.max_changed_lines},'
+          f' {", ".join(known.paths)}: {known.reason})']
+
+
+def check_localize(pair: adapter.Pair) -> list[str]:
+  """The localizer finds nothing beyond the pair's declared differences.
+
+  A forward divergence must start in a module declared for the 'forward'
+  pass, within its ULP bound; a backward divergence may only touch
+  parameters declared for 'grads'.
+  """
+  runs = _runs(pair)
+  result = localize.localize(runs.probe('linen'), runs.probe('nnx'))
+  problems, seen = [], []
+  if result.forward is not None:
+    known = pair.known(result.forward, 'forward')
+    if known is None:
+      problems.append(f'forward divergence in undeclared module {result.forward}')
+    elif result.forward_ulp > known.max_ulp:
+      problems.append(f'{result.forward}: {result.forward_ulp} ULP exceeds the declared {known.max_ulp}')
+    else:
+      seen.append(f'{result.forward}: forward, {result.forward_ulp} ULP'
+                  f' (declared bound {known.max_ulp}: {known.reason})')
+  for module, params in result.backward:
+    undeclared = [p for p in params if pair.known(p, 'grads') is None]
+    if undeclared:
+      problems.append(f'backward divergence inside {module}: {undeclared}')
+  assert not problems, (
+      f'{pair.name}: the localizer finds undeclared differences: {problems}\n  '
+      + '\n  '.join(result.lines())
+  )
+  return seen + result.lines()

@@ -1,0 +1,331 @@
+"""The divergence localizer: which module first computes something different.
+
+Each side's train-mode loss is traced once with every module call
+intercepted (Linen: `nn.intercept_methods`; NNX: each module class's
+`__call__`, for the duration of the trace). A zero probe is added to every
+module's output, so one `value_and_grad` gives, per module call, its
+forward output, the cotangent arriving at that output, and every
+parameter's gradient. `localize` then compares both sides bitwise:
+
+- forward: the first module call (in execution order) whose output differs;
+- backward: a module whose output cotangent is equal on both sides but
+  whose parameters' gradients differ computes its own backward pass
+  differently; the innermost such module is named.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bridge import paths
+from parity import adapter, bitwise
+
+ROOT = '(model)'
+
+
+def _float_tree(y: Any) -> Any:
+  return jax.tree.map(lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else None, y)
+
+
+class _Recorder:
+  """Names each module call and adds its probe; collects outputs during one trace."""
+
+  def __init__(self, probes: dict[str, Any] | None):
+    self.probes = probes
+    self.outputs: dict[str, Any] = {}
+    self.inputs: dict[str, Any] = {}  # each call's first argument, when it is a float array
+    self.order: list[str] = []
+    self._calls: dict[str, int] = {}
+
+  def record(self, path: str, y: Any, args: tuple = ()) -> Any:
+    path = path or ROOT
+    n = self._calls.get(path, 0)
+    self._calls[path] = n + 1
+    key = path if n == 0 else f'{path}#{n}'
+    self.order.append(key)
+    if args and isinstance(args[0], jax.Array) and jnp.issubdtype(args[0].dtype, jnp.inexact):
+      self.inputs[key] = args[0]
+    if self.probes is not None and key in self.probes:
+      y = jax.tree.map(lambda a, p: a if p is None else a + p.astype(a.dtype), y, self.probes[key],
+                       is_leaf=lambda x: x is None)
+    self.outputs[key] = y
+    return y
+
+
+def _zeros_like(shapes: dict[str, Any]) -> dict[str, Any]:
+  return {
+      k: jax.tree.map(lambda s: None if s is None else jnp.zeros(s.shape, s.dtype), v,
+                      is_leaf=lambda x: x is None)
+      for k, v in shapes.items()
+  }
+
+
+def _flat_outputs(tree: dict[str, Any]) -> dict[str, Any]:
+  out = {}
+  for key, y in tree.items():
+    for sub, leaf in paths.items(y):
+      if leaf is not None:
+        out[key if not sub else f'{key}:{sub}'] = leaf
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Linen
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _linen_intercept(recorder: _Recorder):
+  def interceptor(next_fun, args, kwargs, context):
+    y = next_fun(*args, **kwargs)
+    if context.method_name != '__call__':
+      return y
+    return recorder.record('/'.join(context.module.path), y, args)
+
+  with nn.intercept_methods(interceptor):
+    yield
+
+
+def linen_probe(loss: Callable, has_aux: bool, state: Any, batch: Any, dropout_key: Any) -> adapter.Probe:
+  """The probe of a stock-TrainState side: loss(params, state, batch, key)."""
+
+  def traced(params, probes, state, batch, dropout_key):
+    recorder = _Recorder(probes)
+    with _linen_intercept(recorder):
+      value = loss(params, state, batch, dropout_key)
+    value = value[0] if has_aux else value
+    order[:] = recorder.order
+    return value, (recorder.outputs, recorder.inputs)
+
+  order: list[str] = []
+  return _probe(
+      traced, order, state.params, (state, batch, dropout_key),
+      lambda p: {'params/' + k: g for k, g in paths.flatten(p).items()},
+  )
+
+
+# ---------------------------------------------------------------------------
+# NNX
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _nnx_intercept(model: nnx.Module, recorder: _Recorder, rename: Callable[[str], str]):
+  """Each module class's `__call__` wrapped (restored on exit); outermost call per instance recorded."""
+  names = {}
+  classes = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module) and id(node) not in names:
+      owner = next((c for c in type(node).__mro__ if '__call__' in c.__dict__), None)
+      if owner is None:  # not callable (containers, rng holders)
+        continue
+      names[id(node)] = rename('/'.join(str(p) for p in path))
+      classes[owner] = owner.__dict__['__call__']
+  active: set[int] = set()
+
+  def wrap(original):
+    def __call__(self, *args, **kwargs):
+      outermost = id(self) not in active
+      active.add(id(self))
+      try:
+        y = original(self, *args, **kwargs)
+      finally:
+        if outermost:
+          active.discard(id(self))
+      if outermost and id(self) in names:
+        return recorder.record(names[id(self)], y, args)
+      return y
+
+    return __call__
+
+  try:
+    for owner, original in classes.items():
+      setattr(owner, '__call__', wrap(original))
+    yield
+  finally:
+    for owner, original in classes.items():
+      setattr(owner, '__call__', original)
+
+
+def nnx_probe(loss: Callable, graphdef: Any, state: Any, batch: Any, dropout_key: Any, renames) -> adapter.Probe:
+  """The probe of a stock NNX side: loss(model, batch, key) on the merged (model, optimizer)."""
+  # The (model, optimizer) state split so that only the model's parameters
+  # are differentiated (the optimizer holds no nnx.Param).
+  params, rest = nnx.split_state(state, nnx.Param, ...)
+
+  def traced(params, probes, rest, batch, dropout_key):
+    # Fresh Variables of this trace (merge reuses the state's own, which
+    # belong to the caller's trace and refuse the in-place batch-stat update).
+    params, rest = jax.tree.map(lambda x: x, (params, rest))
+    model, _ = nnx.merge(graphdef, params, rest)
+    recorder = _Recorder(probes)
+    with _nnx_intercept(model, recorder, renames.to_linen):
+      value = loss(model, batch, dropout_key)
+    order[:] = recorder.order
+    return value, (recorder.outputs, recorder.inputs)
+
+  order: list[str] = []
+  return _probe(
+      traced, order, params, (rest, batch, dropout_key),
+      lambda p: {'params/' + renames.to_linen(k[2:]): g for k, g in paths.flatten(p).items()},
+  )
+
+
+# ---------------------------------------------------------------------------
+
+
+def _probe(traced: Callable, order: list[str], params: Any, args: tuple, name_grads: Callable) -> adapter.Probe:
+  """Outputs, output cotangents and parameter gradients of one traced loss.
+
+  `traced(params, probes, *args) -> (loss, outputs)` fills `order` with the
+  module calls in execution order each time it is traced.
+  """
+  _, (shapes, _) = jax.eval_shape(lambda p, a: traced(p, None, *a), params, args)
+  shapes = {k: _float_tree(v) for k, v in shapes.items()}
+
+  def run(params, args):
+    grad = jax.value_and_grad(traced, argnums=(0, 1), has_aux=True)
+    (_, (outputs, inputs)), (param_grads, cotangents) = grad(params, _zeros_like(shapes), *args)
+    return outputs, inputs, cotangents, param_grads
+
+  outputs, inputs, cotangents, param_grads = jax.jit(run)(params, args)
+  return adapter.Probe(
+      order=list(order),
+      inputs=dict(inputs),
+      outputs=_flat_outputs(outputs),
+      cotangents=_flat_outputs(cotangents),
+      param_grads=name_grads(param_grads),
+  )
+
+
+# ---------------------------------------------------------------------------
+# Comparison
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Localization:
+  forward: str | None  # the module whose forward computation first differs
+  forward_call: str | None  # the first module call whose output differs
+  forward_inside: bool  # True: `forward` differs between its submodules' calls, not in one of them
+  forward_ulp: int | None  # max ULP of the first differing value (the call's input when inside)
+  backward: list[tuple[str, list[str]]]  # (module, its parameters whose gradients differ)
+  only_linen: list[str]
+  only_nnx: list[str]
+  details: dict[str, str]  # path -> bitwise detail of the first differing values
+
+  @property
+  def clean(self) -> bool:
+    return self.forward is None and not self.backward
+
+  def lines(self) -> list[str]:
+    out = []
+    if self.forward is not None and self.forward_inside:
+      out.append(
+          f'forward pass: inside module {self.forward}, outside its submodules: the input of'
+          f' {self.forward_call} differs while every earlier call agrees'
+          f' ({self.details[self.forward_call]})'
+      )
+    elif self.forward is not None:
+      out.append(f'forward pass: first differs at module {self.forward} ({self.details[self.forward_call]})')
+    else:
+      out.append('forward pass: every module output bitwise equal')
+    for module, params in self.backward:
+      shown = ', '.join(f'{p} ({self.details[p]})' for p in params)
+      out.append(
+          f'backward pass: inside module {module}: output cotangent bitwise equal,'
+          f' gradients differ: {shown}'
+      )
+    if not self.backward:
+      out.append('backward pass: every parameter gradient bitwise equal'
+                 if self.forward is None else 'backward pass: not localized (the forward differs)')
+    if self.only_linen or self.only_nnx:
+      out.append(f'unmatched module calls: linen {self.only_linen}, nnx {self.only_nnx}'
+                 ' (add rename rules to compare them)')
+    return out
+
+
+def _module_of(key: str) -> str:
+  return key.split(':', 1)[0].split('#', 1)[0]
+
+
+def _under(param: str, module: str) -> bool:
+  p = param[len('params/'):]
+  return module == ROOT or p.startswith(module + '/')
+
+
+def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
+  details: dict[str, str] = {}
+
+  def differs(a, b, key) -> bool:
+    d = bitwise.compare_leaves(key, a, b)
+    if d is not None:
+      details.setdefault(_module_of(key) if ':' in key else key, d.detail)
+      details.setdefault(key, d.detail)
+    return d is not None
+
+  common = [k for k in linen.order if k in set(nnx_probe.order)]
+  forward_call = None
+  for call in common:
+    subs = [k for k in linen.outputs if k.split(':')[0] == call]
+    if any(k in nnx_probe.outputs and differs(linen.outputs[k], nnx_probe.outputs[k], k) for k in subs):
+      forward_call = call
+      details.setdefault(call, next(details[k] for k in subs if k in details))
+      break
+  forward, inside = None, False
+  if forward_call is not None:
+    forward = _module_of(forward_call)
+    a, b = linen.inputs.get(forward_call), nnx_probe.inputs.get(forward_call)
+    input_diff = None if a is None or b is None else bitwise.compare_leaves(forward_call, a, b)
+    if input_diff is not None:
+      details[forward_call] = 'its input: ' + input_diff.detail
+      # Its input already differs, though every call before it agreed: the
+      # difference arose in the parent's own code between its submodules.
+      forward, inside = (forward.rsplit('/', 1)[0] if '/' in forward else ROOT), True
+  cot_equal = {
+      call for call in common
+      if all(
+          k in nnx_probe.cotangents and not differs(linen.cotangents[k], nnx_probe.cotangents[k], k)
+          for k in linen.cotangents if k.split(':')[0] == call
+      )
+  }
+  bad = [
+      p for p in linen.param_grads
+      if p in nnx_probe.param_grads and differs(linen.param_grads[p], nnx_probe.param_grads[p], p)
+  ]
+  backward = []
+  claimed: set[str] = set()
+  # Innermost first: a module claims the differing gradients of its own
+  # parameters when its output cotangent is equal; its parents then do not.
+  for call in sorted(cot_equal, key=lambda c: -len(_module_of(c))):
+    module = _module_of(call)
+    mine = [p for p in bad if _under(p, module) and p not in claimed]
+    if mine:
+      backward.append((module, mine))
+      claimed.update(mine)
+  return Localization(
+      forward=forward,
+      forward_call=forward_call,
+      forward_inside=inside,
+      forward_ulp=_forward_ulp(linen, nnx_probe, forward_call, inside),
+      backward=backward,
+      only_linen=[k for k in linen.order if k not in set(nnx_probe.order)],
+      only_nnx=[k for k in nnx_probe.order if k not in set(linen.order)],
+      details=details,
+  )
+
+
+def _forward_ulp(linen: adapter.Probe, nnx_probe: adapter.Probe, call: str | None, inside: bool) -> int | None:
+  if call is None:
+    return None
+  if inside:
+    return bitwise.max_ulp(linen.inputs[call], nnx_probe.inputs[call])
+  keys = [k for k in linen.outputs if k.split(':')[0] == call and k in nnx_probe.outputs]
+  return max(bitwise.max_ulp(linen.outputs[k], nnx_probe.outputs[k]) for k in keys)

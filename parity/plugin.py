@@ -1,0 +1,140 @@
+"""The pytest plugin: the equivalence battery for any declared Linen/NNX pair.
+
+Installed as a `pytest11` entry point, so it is active wherever this
+package is installed. Declare a pair at module level of a test file:
+
+    from parity.adapter import Pair
+    classifier = Pair('classifier', make_sides, batch)
+
+and the module gets a test class `classifier` with one test per part of the
+battery (parity/battery.py): structure, logical specs, loss and gradients,
+training from each side's init, eval, checkpoints in four directions,
+resume across sides, sharded training per mesh, memory and program parity,
+and the divergence localizer. All tests of a pair share one xdist group, so
+under `pytest -n auto --dist loadgroup` one worker compiles each function once.
+
+Options: `--parity-parts=grads,train` runs only those parts;
+`--parity-mesh=data=4` replaces every pair's meshes.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+# Nothing here imports jax when pytest loads the plugin: a project's conftest
+# sets XLA flags and jax's environment (compilation cache, platforms) first.
+PARTS = (
+    'structure', 'specs', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'mesh', 'memory',
+    'program', 'localize',
+)
+DIRECTIONS = ('linen->linen', 'linen->nnx', 'nnx->linen', 'nnx->nnx')
+
+
+class _Lazy:
+  def __init__(self, name):
+    self._name = name
+
+  def __getattr__(self, attr):
+    return getattr(importlib.import_module(self._name), attr)
+
+
+battery = _Lazy('parity.battery')
+
+
+def pytest_addoption(parser):
+  group = parser.getgroup('parity', 'Linen/NNX equivalence battery')
+  group.addoption(
+      '--parity-parts', default=None,
+      help='comma-separated parts of the battery to run (default: all): ' + ', '.join(PARTS),
+  )
+  group.addoption(
+      '--parity-mesh', action='append', default=None,
+      help="mesh spec for the sharded part, e.g. 'data=8' (repeatable; default: each pair's own)",
+  )
+
+
+def pytest_configure(config):
+  # Known to pytest-xdist; registered here too so runs without it stay strict-marker clean.
+  config.addinivalue_line('markers', 'xdist_group(name): tests that share one xdist worker')
+  parts = config.getoption('parity_parts')
+  if parts:
+    unknown = sorted(set(parts.split(',')) - set(PARTS))
+    if unknown:
+      raise pytest.UsageError(f'--parity-parts: unknown part(s) {unknown}; parts: {", ".join(battery.PARTS)}')
+
+
+class _Battery:
+  """Test methods; `pair` is set on the generated subclass."""
+
+  pair: 'parity.adapter.Pair'
+
+  def test_structure(self):
+    battery.check_structure(self.pair)
+
+  def test_specs(self):
+    battery.check_specs(self.pair)
+
+  def test_grads(self, record_property):
+    record_property('declared_differences', battery.check_grads(self.pair))
+
+  @pytest.mark.parametrize('init_side', ['linen', 'nnx'])
+  def test_train(self, init_side, record_property):
+    record_property('declared_differences', battery.check_train(self.pair, init_side))
+
+  def test_eval(self):
+    battery.check_eval(self.pair)
+
+  @pytest.mark.parametrize('direction', DIRECTIONS)
+  def test_checkpoints(self, direction):
+    battery.check_checkpoint(self.pair, direction)
+
+  @pytest.mark.parametrize('direction', ['linen->nnx', 'nnx->linen'])
+  def test_resume(self, direction):
+    battery.check_resume(self.pair, direction)
+
+  def test_mesh(self, parity_mesh):
+    battery.check_mesh(self.pair, parity_mesh)
+
+  def test_memory(self):
+    battery.check_memory(self.pair)
+
+  def test_program(self, record_property):
+    record_property('declared_differences', battery.check_program(self.pair))
+
+  def test_localize(self, record_property):
+    record_property('localizer', battery.check_localize(self.pair))
+
+
+class PairClass(pytest.Class):
+  """The collector of one declared pair: a test class made from the battery."""
+
+  def _getobj(self):
+    pair = getattr(self.parent.obj, self.name)
+    return type(self.name, (_Battery,), {'pair': pair, '__module__': self.parent.obj.__name__})
+
+  def collect(self):
+    parts = self.config.getoption('parity_parts')
+    wanted = set(parts.split(',')) if parts else set(PARTS)
+    if self.obj.pair.parts is not None:
+      wanted &= set(self.obj.pair.parts)
+    for item in super().collect():
+      part = item.name.split('[')[0][len('test_'):]
+      if part in wanted:
+        item.add_marker(pytest.mark.xdist_group(f'parity-{self.obj.pair.name}'))
+        yield item
+
+
+def pytest_pycollect_makeitem(collector, name, obj):
+  # A module that declares a pair has imported the adapter; others never load it.
+  adapter = sys.modules.get('parity.adapter')
+  if adapter is not None and isinstance(obj, adapter.Pair):
+    return PairClass.from_parent(collector, name=name)
+  return None
+
+
+def pytest_generate_tests(metafunc):
+  if 'parity_mesh' in metafunc.fixturenames and metafunc.cls is not None and issubclass(metafunc.cls, _Battery):
+    meshes = metafunc.config.getoption('parity_mesh') or list(metafunc.cls.pair.meshes)
+    metafunc.parametrize('parity_mesh', meshes)

@@ -1,0 +1,260 @@
+"""Sides for stock flax train states: the adapter a user's migration needs no code for.
+
+`StockLinen` drives a `flax.training.train_state.TrainState` (extra
+collection fields such as `batch_stats` included); `StockNnx` drives the
+stateful NNX idiom: a `(model, nnx.Optimizer)` pair and a step that updates
+them in place. The user passes their own functions (state creation, train
+and eval steps, train-mode loss); these classes only adapt calling
+conventions (the NNX objects are split into a graphdef and a pure state
+once, and merged inside each compiled call) and map states to the
+checkpoint layout through bridge/stock.py.
+
+On a mesh the state is replicated and each batch is split along its first
+axis over the pair's batch axis (data parallel).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+from flax import nnx
+
+from bridge import paths
+from bridge import stock as bridge_stock
+from bridge.train_state import NNX_STEP_DTYPE
+from models import compat
+from parity import adapter, localize
+
+
+def _replicated(mesh, tree):
+  return jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree)
+
+
+class _Stock:
+  """What both stock sides share: placement on a mesh and the checkpoint view."""
+
+  mesh: jax.sharding.Mesh | None
+  batch_axis: str
+
+  @functools.cached_property
+  def state_shardings(self) -> Any:
+    return None if self.mesh is None else _replicated(self.mesh, self.template)
+
+  def batch_sharding(self) -> Any:
+    if self.mesh is None:
+      return None
+    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.batch_axis))
+
+  def place(self, state: Any) -> Any:
+    return state if self.mesh is None else jax.device_put(state, self.state_shardings)
+
+  def place_batch(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+    sharding = self.batch_sharding()
+    if sharding is None:
+      return {k: jax.numpy.asarray(v) for k, v in batch.items()}
+    return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+
+  def checkpoint_shardings(self) -> dict[str, Any]:
+    return self._checkpoint_leaves(self.state_shardings)
+
+  def abstract_checkpoint(self) -> dict[str, jax.ShapeDtypeStruct]:
+    flat = self.to_checkpoint(self.template)
+    shardings = self.checkpoint_shardings() if self.mesh is not None else {}
+    return {
+        p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings.get(p)) for p, x in flat.items()
+    }
+
+  def _jit(self, fn, state_out: bool):
+    if self.mesh is None:
+      return jax.jit(fn)
+    out = (self.state_shardings, None) if state_out else None
+    return jax.jit(fn, out_shardings=out)
+
+  def train_step(self, state, batch, dropout_base):
+    with self._context():
+      return self._train_step(state, batch, dropout_base)
+
+  def eval_step(self, state, batch):
+    with self._context():
+      return self._eval_step(state, batch)
+
+  def loss_and_grad(self, state, batch, dropout_key):
+    with self._context():
+      return self._loss_and_grad(state, batch, dropout_key)
+
+  def lower_train_step(self, state, batch, dropout_base) -> jax.stages.Lowered:
+    with self._context():
+      return self._train_step.lower(state, batch, dropout_base)
+
+  def _context(self):
+    import contextlib
+    return contextlib.nullcontext() if self.mesh is None else compat.use_mesh(self.mesh)
+
+  def argument_names(self, lowered, state, batch, dropout_base) -> list[str]:
+    leaves, treedef = jax.tree.flatten(state)
+    index_tree = jax.tree.unflatten(treedef, list(range(len(leaves))))
+    names = [''] * len(leaves)
+    for path, index in self._checkpoint_leaves(index_tree).items():
+      names[index] = path
+    names += [f'batch/{key}' for key in sorted(batch)] + ['dropout_base']
+    return [names[i] for i in compat.kept_argument_indices(lowered, len(names))]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StockLinen(_Stock):
+  """A Linen side over a stock `TrainState`.
+
+  create(seed) -> TrainState; train_step(state, batch, dropout_base) ->
+  (state, metrics); eval_step(state, batch) -> metrics; loss(params, state,
+  batch, dropout_key) -> loss, or (loss, aux) with `has_aux`.
+  """
+
+  create: Callable[[int], Any]
+  train_step_fn: Callable[..., Any]
+  eval_step_fn: Callable[..., Any]
+  loss: Callable[..., Any]
+  has_aux: bool = False
+  mesh: jax.sharding.Mesh | None = None
+  batch_axis: str = 'data'
+  name: str = 'linen'
+
+  @functools.cached_property
+  def template(self) -> Any:
+    return jax.eval_shape(lambda: self.create(0))
+
+  def init(self, seed: int) -> Any:
+    # A TrainState's treedef holds `apply_fn` and `tx`, which compare by
+    # identity: every state of this side takes the template's.
+    leaves = jax.tree.leaves(self.create(seed))
+    return self.place(jax.tree.unflatten(jax.tree.structure(self.template), leaves))
+
+  @functools.cached_property
+  def _train_step(self):
+    return self._jit(self.train_step_fn, state_out=True)
+
+  @functools.cached_property
+  def _eval_step(self):
+    return self._jit(self.eval_step_fn, state_out=False)
+
+  @functools.cached_property
+  def _loss_and_grad(self):
+    grad = jax.value_and_grad(self.loss, has_aux=self.has_aux)
+
+    def fn(state, batch, key):
+      value, grads = grad(state.params, state, batch, key)
+      loss = value[0] if self.has_aux else value
+      return loss, {'params/' + p: g for p, g in paths.flatten(grads).items()}
+
+    return jax.jit(fn)
+
+  def _checkpoint_leaves(self, tree) -> dict[str, Any]:
+    return paths.flatten(tree)
+
+  def to_checkpoint(self, state) -> dict[str, Any]:
+    return bridge_stock.linen_to_checkpoint(state)
+
+  def from_checkpoint(self, flat) -> Any:
+    return self.place(bridge_stock.checkpoint_to_linen(flat, self.template))
+
+  def param_specs(self) -> dict[str, tuple]:
+    return {'params/' + p: () for p in paths.flatten(self.template.params)}
+
+  def comparison_state(self, state):
+    """The step counter typed as `nnx.Optimizer`'s (parity.programs.STEP_COUNTER_DTYPE)."""
+    step = jax.ShapeDtypeStruct((), NNX_STEP_DTYPE, sharding=getattr(state.step, 'sharding', None))
+    return state.replace(step=step)
+
+  def probe(self, state, batch, dropout_key) -> adapter.Probe:
+    with self._context():
+      return localize.linen_probe(self.loss, self.has_aux, state, batch, dropout_key)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StockNnx(_Stock):
+  """An NNX side over `(model, nnx.Optimizer)` and stateful steps.
+
+  create(seed) -> (model, optimizer); train_step(model, optimizer, batch,
+  dropout_base) -> metrics (updating both in place); eval_step(model,
+  batch) -> metrics; loss(model, batch, dropout_key) -> loss. `renames`
+  maps NNX module paths to Linen's in the checkpoint layout.
+  """
+
+  create: Callable[[int], Any]
+  train_step_fn: Callable[..., Any]
+  eval_step_fn: Callable[..., Any]
+  loss: Callable[..., Any]
+  renames: bridge_stock.Renames = bridge_stock.Renames()
+  mesh: jax.sharding.Mesh | None = None
+  batch_axis: str = 'data'
+  name: str = 'nnx'
+
+  @functools.cached_property
+  def _abstract(self):
+    return nnx.eval_shape(lambda: nnx.split(self.create(0)))
+
+  @property
+  def graphdef(self):
+    return self._abstract[0]
+
+  @property
+  def template(self):
+    return self._abstract[1]
+
+  def init(self, seed: int) -> Any:
+    return self.place(nnx.split(self.create(seed))[1])
+
+  def _merge(self, state):
+    return nnx.merge(self.graphdef, state)
+
+  @functools.cached_property
+  def _train_step(self):
+    def fn(state, batch, dropout_base):
+      model, optimizer = self._merge(state)
+      metrics = self.train_step_fn(model, optimizer, batch, dropout_base)
+      return nnx.state((model, optimizer)), metrics
+
+    return self._jit(fn, state_out=True)
+
+  @functools.cached_property
+  def _eval_step(self):
+    def fn(state, batch):
+      model, _ = self._merge(state)
+      return self.eval_step_fn(model, batch)
+
+    return self._jit(fn, state_out=False)
+
+  @functools.cached_property
+  def _loss_and_grad(self):
+    def fn(state, batch, key):
+      model, _ = self._merge(state)
+      loss, grads = nnx.value_and_grad(self.loss)(model, batch, key)
+      return loss, {
+          'params/' + self.renames.to_linen(p): g for p, g in paths.flatten(grads).items()
+      }
+
+    return jax.jit(fn)
+
+  def _checkpoint_leaves(self, tree) -> dict[str, Any]:
+    return bridge_stock.nnx_to_checkpoint(tree, self.renames, nnx_template=self.template, convert=False)
+
+  def to_checkpoint(self, state) -> dict[str, Any]:
+    return bridge_stock.nnx_to_checkpoint(state, self.renames)
+
+  def from_checkpoint(self, flat) -> Any:
+    return self.place(bridge_stock.checkpoint_to_nnx(flat, self.template, self.renames))
+
+  def param_specs(self) -> dict[str, tuple]:
+    model_params = nnx.state(nnx.eval_shape(lambda: self.create(0)[0]), nnx.Param)
+    return {
+        'params/' + self.renames.to_linen(p): compat.nnx_logical_axes(v) or ()
+        for p, v in paths.items(model_params, lambda x: isinstance(x, nnx.Variable))
+    }
+
+  def comparison_state(self, state):
+    return state
+
+  def probe(self, state, batch, dropout_key) -> adapter.Probe:
+    with self._context():
+      return localize.nnx_probe(self.loss, self.graphdef, state, batch, dropout_key, self.renames)

@@ -1,0 +1,72 @@
+"""The convolutional classifier family, through the plugin only.
+
+Stock flax layers on both sides (models/linen/classifier.py,
+models/nnx/classifier.py): Linen's automatic names against NNX attributes,
+the Linen `batch_stats` collection against `nnx.BatchStat`, train and eval
+mode, and dropout on. Dropout is bitwise because both models pass the same
+explicit key to the stock layer (`nn.Dropout(...)(x, rng=key)`,
+`nnx.Dropout(...)(x, rngs=key)`).
+
+Everything is bitwise. The one declared difference is in the program: the
+stock batch-norm layers lower differently (same numbers). The second pair,
+the same classifier without batch norm, is its evidence: its programs are
+identical.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from bridge.stock import Renames
+from models.families import ClassifierConfig, classifier_batch
+from models.linen import classifier as linen_classifier
+from models.nnx import classifier as nnx_classifier
+from parity.adapter import KnownDifference, Pair
+from parity.stock import StockLinen, StockNnx
+
+CFG = ClassifierConfig()
+RENAMES = Renames((
+    ('Conv_0', 'conv1'), ('BatchNorm_0', 'bn1'), ('Conv_1', 'conv2'), ('BatchNorm_1', 'bn2'),
+    ('Dropout_0', 'dropout'), ('Dense_0', 'head'),
+))
+BATCH_NORM_PROGRAM = KnownDifference(
+    paths=('BatchNorm_0', 'BatchNorm_1'),
+    passes=('program',),
+    max_changed_lines=464,
+    reason=(
+        "flax's stock batch norm: Linen's _normalize expands the statistics with"
+        ' jnp.expand_dims (broadcast_in_dim), NNX reshapes them (reshape), and the ops'
+        ' that follow are ordered differently; same numbers, and without batch norm the'
+        ' programs are identical (classifier_without_batch_norm)'
+    ),
+)
+
+
+def make_sides(cfg, mesh):
+  linen = StockLinen(
+      functools.partial(linen_classifier.create_train_state, cfg),
+      linen_classifier.train_step, linen_classifier.eval_step, linen_classifier.loss_fn,
+      has_aux=True, mesh=mesh,
+  )
+  nnx_side = StockNnx(
+      functools.partial(nnx_classifier.create_train_state, cfg),
+      nnx_classifier.train_step, nnx_classifier.eval_step, nnx_classifier.loss_fn,
+      renames=RENAMES, mesh=mesh,
+  )
+  return linen, nnx_side
+
+
+classifier = Pair(
+    'classifier',
+    functools.partial(make_sides, CFG),
+    functools.partial(classifier_batch, CFG),
+    known_differences=(BATCH_NORM_PROGRAM,),
+)
+
+NO_BATCH_NORM = dataclasses.replace(CFG, batch_norm=False)
+classifier_without_batch_norm = Pair(
+    'classifier_without_batch_norm',
+    functools.partial(make_sides, NO_BATCH_NORM),
+    functools.partial(classifier_batch, NO_BATCH_NORM),
+    parts=('grads', 'train', 'memory', 'program'),
+)
