@@ -256,6 +256,10 @@ def _module_of(key: str) -> str:
   return key.split(':', 1)[0].split('#', 1)[0]
 
 
+def _depth(module: str) -> int:
+  return 0 if module == ROOT else module.count('/') + 1
+
+
 def _under(param: str, module: str) -> bool:
   p = param[len('params/'):]
   return module == ROOT or p.startswith(module + '/')
@@ -304,7 +308,7 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
   claimed: set[str] = set()
   # Innermost first: a module claims the differing gradients of its own
   # parameters when its output cotangent is equal; its parents then do not.
-  for call in sorted(cot_equal, key=lambda c: -len(_module_of(c))):
+  for call in sorted(cot_equal, key=lambda c: -_depth(_module_of(c))):
     module = _module_of(call)
     mine = [p for p in bad if _under(p, module) and p not in claimed]
     if mine:

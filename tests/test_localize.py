@@ -1,0 +1,133 @@
+"""The divergence localizer names the module and the pass where two sides part.
+
+Two tiny stock MLPs (nn.Dense / nnx.Linear, tanh); the NNX side is broken on
+purpose in one module at a time: its forward pass (a bias added), or only its
+backward pass (a custom VJP that scales the kernel's gradient). The
+localizer must name that module and that pass, and nothing when unbroken.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+from bridge.stock import Renames
+from parity import localize
+from parity.stock import StockLinen, StockNnx
+
+FEATURES = (8, 8, 4)
+
+
+class LinenMlp(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for i, f in enumerate(FEATURES):
+      x = nn.Dense(f, name=f'dense_{i}')(x)
+      x = jnp.tanh(x) if i < len(FEATURES) - 1 else x
+    return x
+
+
+@jax.custom_vjp
+def _grad_scaled(w):
+  return w
+
+
+_grad_scaled.defvjp(lambda w: (w, None), lambda _, g: (g * 1.0001,))
+
+
+class BrokenLinear(nnx.Linear):
+  """nnx.Linear, broken in the forward (`bias_offset`) or only the backward (`scale_grad`)."""
+
+  def __init__(self, *args, mode: str, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.mode = mode
+
+  def __call__(self, x):
+    if self.mode == 'backward':
+      return x @ _grad_scaled(self.kernel[...]) + self.bias[...]
+    return super().__call__(x) + 1e-3
+
+
+class NnxMlp(nnx.Module):
+  def __init__(self, broken: tuple[int, str] | None, rngs: nnx.Rngs):
+    sizes = (6,) + FEATURES
+    layers = []
+    for i in range(len(FEATURES)):
+      if broken is not None and broken[0] == i:
+        layers.append(BrokenLinear(sizes[i], sizes[i + 1], mode=broken[1], rngs=rngs))
+      else:
+        layers.append(nnx.Linear(sizes[i], sizes[i + 1], rngs=rngs))
+    self.layers = nnx.List(layers)
+
+  def __call__(self, x):
+    for i, layer in enumerate(self.layers):
+      x = layer(x)
+      x = jnp.tanh(x) if i < len(FEATURES) - 1 else x
+    return x
+
+
+def _linen_side():
+  def create(seed):
+    model = LinenMlp()
+    params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 6)))['params']
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+
+  def loss(params, state, batch, key):
+    return jnp.mean(jnp.square(state.apply_fn({'params': params}, batch['x']) - batch['y']))
+
+  return StockLinen(create, None, None, loss)
+
+
+def _nnx_side(broken):
+  def create(seed):
+    model = NnxMlp(broken, nnx.Rngs(params=seed))
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  def loss(model, batch, key):
+    return jnp.mean(jnp.square(model(batch['x']) - batch['y']))
+
+  renames = Renames(tuple((f'dense_{i}', f'layers/{i}') for i in range(len(FEATURES))))
+  return StockNnx(create, None, None, loss, renames=renames)
+
+
+def _localize(broken):
+  linen, nnx_side = _linen_side(), _nnx_side(broken)
+  state = linen.init(0)
+  batch = {
+      'x': jax.random.normal(jax.random.PRNGKey(1), (5, 6)),
+      'y': jax.random.normal(jax.random.PRNGKey(2), (5, 4)),
+  }
+  key = jax.random.PRNGKey(3)
+  nnx_state = nnx_side.from_checkpoint(linen.to_checkpoint(state))
+  return localize.localize(linen.probe(state, batch, key), nnx_side.probe(nnx_state, batch, key))
+
+
+def test_equal_sides_localize_nothing():
+  result = _localize(None)
+  assert result.clean, result.lines()
+  assert result.lines() == [
+      'forward pass: every module output bitwise equal',
+      'backward pass: every parameter gradient bitwise equal',
+  ]
+
+
+@pytest.mark.parametrize('layer', [0, 1, 2])
+def test_a_forward_break_is_named_at_its_module(layer):
+  result = _localize((layer, 'forward'))
+  assert result.forward == f'dense_{layer}' and not result.forward_inside, result.lines()
+  assert result.lines()[0].startswith(f'forward pass: first differs at module dense_{layer} ')
+
+
+@pytest.mark.parametrize('layer', [0, 1, 2])
+def test_a_backward_only_break_is_named_at_its_module(layer):
+  result = _localize((layer, 'backward'))
+  assert result.forward is None, result.lines()
+  assert result.backward == [(f'dense_{layer}', [f'params/dense_{layer}/kernel'])], result.lines()
+  assert result.lines()[1].startswith(
+      f'backward pass: inside module dense_{layer}: output cotangent bitwise equal,'
+      f' gradients differ: params/dense_{layer}/kernel'
+  )
