@@ -40,8 +40,8 @@ class Side(Protocol):
   def eval_step(self, state: Any, batch: Any) -> Mapping[str, jax.Array]:
     """Metrics of the model in eval mode."""
 
-  def loss_and_grad(self, state: Any, batch: Any, dropout_key: jax.Array) -> tuple[jax.Array, Flat]:
-    """(loss, `{checkpoint path of a parameter: gradient}`) of one train-mode pass."""
+  def value_and_grads(self, state: Any, batch: Any, dropout_key: jax.Array) -> tuple[Any, Flat]:
+    """(loss or (loss, aux), `{checkpoint path of a parameter: gradient}`) of one train-mode pass."""
 
   def to_checkpoint(self, state: Any) -> Flat:
     """The state in the checkpoint layout."""
@@ -127,6 +127,7 @@ class Pair:
   known_differences: tuple[KnownDifference, ...] = ()
   seed: int = 0
   parts: Sequence[str] | None = None  # the battery's parts for this pair (None: all)
+  group: str | None = None  # xdist group of its tests (default: parity-<name>)
 
   def program_difference(self) -> KnownDifference | None:
     return next((d for d in self.known_differences if 'program' in d.passes), None)

@@ -133,8 +133,8 @@ def check_grads(pair: adapter.Pair) -> list[str]:
   key = rng.step_key(runs.dropout_base(), 0, 0)
   out = {}
   for side in runs.sides():
-    loss, grads = side.loss_and_grad(side.from_checkpoint(start), runs.batch(0), key)
-    out[side.name] = {'loss': loss, **grads}
+    value, grads = side.value_and_grads(side.from_checkpoint(start), runs.batch(0), key)
+    out[side.name] = {'loss': value, **grads}
   try:
     return compare(pair, 'grads', out['linen'], out['nnx'], 'loss and gradients')
   except AssertionError as e:

@@ -154,7 +154,10 @@ def _nnx_intercept(model: nnx.Module, recorder: _Recorder, rename: Callable[[str
       setattr(owner, '__call__', original)
 
 
-def nnx_probe(loss: Callable, graphdef: Any, state: Any, batch: Any, dropout_key: Any, renames) -> adapter.Probe:
+def nnx_probe(
+    loss: Callable, graphdef: Any, state: Any, batch: Any, dropout_key: Any, renames,
+    prefix: str = 'params/', to_linen: Callable = lambda path, x: x,
+) -> adapter.Probe:
   """The probe of a stock NNX side: loss(model, batch, key) on the merged (model, optimizer)."""
   # The (model, optimizer) state split so that only the model's parameters
   # are differentiated (the optimizer holds no nnx.Param).
@@ -174,7 +177,9 @@ def nnx_probe(loss: Callable, graphdef: Any, state: Any, batch: Any, dropout_key
   order: list[str] = []
   return _probe(
       traced, order, params, (rest, batch, dropout_key),
-      lambda p: {'params/' + renames.to_linen(k[2:]): g for k, g in paths.flatten(p).items()},
+      lambda p: {
+          prefix + renames.to_linen(k[2:]): to_linen(k[2:], g) for k, g in paths.flatten(p).items()
+      },
   )
 
 

@@ -122,7 +122,7 @@ class PairClass(pytest.Class):
     for item in super().collect():
       part = item.name.split('[')[0][len('test_'):]
       if part in wanted:
-        item.add_marker(pytest.mark.xdist_group(f'parity-{self.obj.pair.name}'))
+        item.add_marker(pytest.mark.xdist_group(self.obj.pair.group or f'parity-{self.obj.pair.name}'))
         yield item
 
 

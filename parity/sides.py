@@ -24,13 +24,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bridge import layout as layout_lib
+from bridge import paths
 from bridge import specs as specs_lib
+from bridge import stock as bridge_stock
 from bridge import train_state as bridge_state
 from models import compat, data, rng
 from models.config import ModelConfig, TrainConfig
 from models.linen import train as linen_train
 from models.nnx import train as nnx_train
-from parity import programs
+from parity import adapter, localize, programs
 
 
 def as_jax_batch(batch: dict[str, Any]) -> dict[str, jax.Array]:
@@ -120,6 +122,17 @@ class _Placement:
   def train_step(self, state, batch, dropout_base):
     with self.context():
       return self._train_step(state, batch, dropout_base)
+
+  def place_batch(self, batch) -> dict[str, jax.Array]:
+    """The batch as the step takes it (on a mesh, the step places it)."""
+    return as_jax_batch(batch)
+
+  def _check_probe(self) -> None:
+    if self.model_cfg.scan_layers:
+      raise NotImplementedError(
+          'the localizer records module calls outside scans only: the scanned layers run in a'
+          ' scan body (nn.scan / nnx.scan); localize with scan_layers=False (02_unscanned)'
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +228,24 @@ class LinenSide(_Placement):
   def params(self, state) -> Any:
     return state.params
 
+  def param_specs(self) -> dict[str, tuple]:
+    specs = specs_lib.linen_logical_specs(self.abstract_variables)
+    return {'params/params/' + p: names for p, names in specs.items()}
+
+  def value_and_grads(self, state, batch, dropout_key):
+    """The adapter's form of `loss_and_grad`: gradients keyed by checkpoint path."""
+    value, grads = self.loss_and_grad(state, batch, dropout_key)
+    return value, {'params/' + p: g for p, g in paths.flatten(grads).items()}
+
+  def probe(self, state, batch, dropout_key) -> adapter.Probe:
+    self._check_probe()
+
+    def loss(params, state, batch, key):
+      return linen_train._loss_sum(self.model_cfg, self.train_cfg, params, state.fp8_meta, batch, key)
+
+    with self.context():
+      return localize.linen_probe(loss, True, state, batch, dropout_key)
+
   def forward(self, state, batch, dropout_key):
     with self.context():
       return _linen_forward(self.model_cfg, linen_train.model_variables(state), batch, dropout_key)
@@ -306,6 +337,29 @@ class NnxSide(_Placement):
   def params(self, state) -> Any:
     model, _ = nnx.merge(self.graphdef, state)
     return nnx.state(model, nnx.Param)
+
+  def param_specs(self) -> dict[str, tuple]:
+    specs = specs_lib.nnx_logical_specs(self.abstract_params)
+    return {'params/params/' + p: self.layout.names_to_linen(p, names) for p, names in specs.items()}
+
+  def value_and_grads(self, state, batch, dropout_key):
+    """The adapter's form of `loss_and_grad`: gradients keyed by checkpoint path, Linen layout."""
+    value, grads = self.loss_and_grad(state, batch, dropout_key)
+    return value, {
+        'params/params/' + p: self.layout.array_to_linen(p, g) for p, g in paths.flatten(grads).items()
+    }
+
+  def probe(self, state, batch, dropout_key) -> adapter.Probe:
+    self._check_probe()
+
+    def loss(model, batch, key):
+      return nnx_train._loss_sum(self.train_cfg, model, batch, key)[0]
+
+    with self.context():
+      return localize.nnx_probe(
+          loss, self.graphdef, state, batch, dropout_key, bridge_stock.Renames(),
+          prefix='params/params/', to_linen=self.layout.array_to_linen,
+      )
 
   def forward(self, state, batch, dropout_key):
     with self.context():

@@ -80,9 +80,9 @@ class _Stock:
     with self._context():
       return self._eval_step(state, batch)
 
-  def loss_and_grad(self, state, batch, dropout_key):
+  def value_and_grads(self, state, batch, dropout_key):
     with self._context():
-      return self._loss_and_grad(state, batch, dropout_key)
+      return self._value_and_grads(state, batch, dropout_key)
 
   def lower_train_step(self, state, batch, dropout_base) -> jax.stages.Lowered:
     with self._context():
@@ -139,7 +139,7 @@ class StockLinen(_Stock):
     return self._jit(self.eval_step_fn, state_out=False)
 
   @functools.cached_property
-  def _loss_and_grad(self):
+  def _value_and_grads(self):
     grad = jax.value_and_grad(self.loss, has_aux=self.has_aux)
 
     def fn(state, batch, key):
@@ -226,7 +226,7 @@ class StockNnx(_Stock):
     return self._jit(fn, state_out=False)
 
   @functools.cached_property
-  def _loss_and_grad(self):
+  def _value_and_grads(self):
     def fn(state, batch, key):
       model, _ = self._merge(state)
       loss, grads = nnx.value_and_grad(self.loss)(model, batch, key)

@@ -1,5 +1,8 @@
 """Every scenario: 10 steps side by side, bitwise; spec tables; a golden loss record.
 
+(The other init direction, NNX initialising, is the plugin's
+`decoder_<scenario>::test_train[nnx]` in test_decoder_pairs.py.)
+
 The golden loss record (tests/golden/losses/jax-X.Y/<scenario>.txt, one hex
 float per step) catches a change that moves both sides alike, which a
 side-by-side comparison cannot. The records are exact; they are meant to
@@ -43,13 +46,6 @@ def test_scenario_trains_bit_identically(scenario):
   assert len(set(result.linen.loss_hex)) == STEPS, result.linen.loss_hex
   lines = ''.join(f'{step} {h}\n' for step, h in enumerate(result.linen.loss_hex))
   check_golden(f'losses/jax-{JAX_MINOR}/{scenario}.txt', lines)
-
-
-@pytest.mark.parametrize('scenario', sorted(SCENARIOS))
-def test_scenario_nnx_init_direction(scenario):
-  """NNX initialises, the bridge carries its state to Linen, 10 steps bit-identical."""
-  result = _run(scenario, 'nnx')
-  assert result.bitwise_equal, result.verdict() + '\n' + '\n'.join(result.state_diffs)
 
 
 @pytest.mark.parametrize('scenario', sorted(SCENARIOS))

@@ -1,0 +1,51 @@
+"""The reference decoder declared through the plugin, one pair per scenario.
+
+The plugin's battery (parity/battery.py) runs on the decoder's sides
+(parity/sides.py, which implement the adapter's `Side`): structure, logical
+specs, loss and gradients, training from each side's init, eval, Orbax round
+trips in four directions and resume across sides; the localizer where the
+layers are not scanned. What is specific to the decoder stays in its own
+modules: the seed parameter table and goldens (test_specs_default.py,
+test_scenarios.py), the 3-axis meshes and their rules (test_sharding.py),
+memory and program parity with the step-counter allowlist
+(test_program_parity.py), fp8 (test_fp8.py), gradient accumulation bounds,
+resharding restores and the converter.
+
+Each pair's tests join its scenario's xdist group, so they reuse the sides
+(and compiled steps) the scenario's other tests build in that worker.
+"""
+from __future__ import annotations
+
+import functools
+
+from models import data
+from models.config import SCENARIOS, get_configs
+from parity.adapter import Pair
+from parity.sides import make_sides
+
+STEPS = 10  # as the runner's side-by-side runs (tests/runs.py)
+PARTS = ('structure', 'specs', 'grads', 'train', 'eval', 'checkpoints', 'resume')
+
+
+def _sides(cfgs, mesh):
+  return make_sides(*cfgs, mesh)
+
+
+def _batch(cfgs, step, split='train'):
+  return data.make_batch(*cfgs, step=step, split=split)
+
+
+def _pair(scenario: str) -> Pair:
+  cfgs = get_configs('tiny', scenario)
+  return Pair(
+      f'decoder_{scenario}',
+      functools.partial(_sides, cfgs),
+      functools.partial(_batch, cfgs),
+      steps=STEPS,
+      parts=PARTS + (() if cfgs[0].scan_layers else ('localize',)),
+      group=scenario,
+  )
+
+
+for _scenario in sorted(SCENARIOS):
+  globals()[f'decoder_{_scenario}'] = _pair(_scenario)
