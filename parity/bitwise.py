@@ -122,3 +122,15 @@ def max_ulp(a: Any, b: Any) -> int:
   if not a.size:
     return 0
   return int(np.max(np.abs(_ordered(bits_a, width) - _ordered(bits_b, width))))
+
+
+def digest(flat: Any) -> str:
+  """sha256 over every leaf's path, dtype, shape and raw bits (a tree's identity, bit for bit)."""
+  import hashlib
+
+  h = hashlib.sha256()
+  for path, x in sorted(paths.flatten(flat).items()):
+    arr = np.asarray(x)
+    h.update(f'{path}:{arr.dtype.name}{list(arr.shape)};'.encode())
+    h.update(raw_bits(arr).tobytes())
+  return h.hexdigest()

@@ -116,12 +116,17 @@ def prepare_xla(args) -> None:
     except ValueError as e:
       raise BadInput(str(e)) from None
     count = math.prod(sizes.values())
+    if _in_worker():  # each process has its share of the mesh's devices
+      from parity import distributed
+
+      count //= distributed.env_process()[1]
     flags.append(xla_env.host_device_count_flag(count))
   if args.command == 'compare' and not args.nondeterministic_gpu:
     flags.extend(xla_env.GPU_DETERMINISTIC_FLAGS)
   added = xla_env.add_flags(flags)
   count_flag = xla_env.flag_name(xla_env.host_device_count_flag(0))
-  if mesh and any(xla_env.flag_name(f) == count_flag for f in added):
+  # (A worker must not start jax's backends before joining the run.)
+  if mesh and not _in_worker() and any(xla_env.flag_name(f) == count_flag for f in added):
     import jax
 
     if jax.default_backend() == 'cpu':
@@ -143,6 +148,8 @@ def _check_output(path: str | None, option: str) -> None:
 
 
 def cmd_compare(args) -> int:
+  if args.processes > 1 and not _in_worker():
+    return _launch_processes(args)
   from models import config
   from parity import report as report_lib
   from parity import runner
@@ -170,6 +177,7 @@ def cmd_compare(args) -> int:
         model_cfg, train_cfg, args.steps, seed=args.seed, init_side=args.init,
         on_step=progress.step, on_phase=progress.phase, mesh=mesh,
         checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
+        state_digest=args.state_digest,
     )
   except Exception as e:  # XLA's runtime error type moved between jax versions
     message = out_of_memory_message(e, args)
@@ -177,21 +185,70 @@ def cmd_compare(args) -> int:
       raise
     raise BadInput(message) from None
   report = report_lib.Report(result, args.preset, args.scenario, args.mesh)
-  print(report.text(), end='')
-  for diff in result.state_diffs[:20]:
-    print(f'  final state: {diff}')
-  if args.json:
-    report.write_json(args.json)
-  if args.markdown:
-    report.write_markdown(args.markdown)
-  if args.plot:
-    report.plot(args.plot)
+  import jax
+
+  if jax.process_index() == 0:  # one report for the whole run
+    print(report.text(), end='')
+    for diff in result.state_diffs[:20]:
+      print(f'  final state: {diff}')
+    if args.json:
+      report.write_json(args.json)
+    if args.markdown:
+      report.write_markdown(args.markdown)
+    if args.plot:
+      report.plot(args.plot)
   if not result.bitwise_equal:
     return 1
   if not (args.numbers_only or result.same_program):
     print('parity: the numbers match but memory or the program differs (see above);'
           ' --numbers-only compares the numbers alone', file=sys.stderr)
     return 1
+  return 0
+
+
+def _in_worker() -> bool:
+  from parity import launcher
+  import os
+
+  return launcher.PROCESS_ID in os.environ
+
+
+def _launch_processes(args) -> int:
+  """`compare --processes N`: N copies of this command, one per simulated host."""
+  import os
+  import tempfile
+
+  from bridge import specs
+  from parity import launcher
+
+  if not args.mesh:
+    raise BadInput('--processes needs --mesh: the mesh spans every process\'s devices')
+  try:
+    total = math.prod(specs.parse_mesh_spec(args.mesh).values())
+  except ValueError as e:
+    raise BadInput(str(e)) from None
+  if total % args.processes:
+    raise BadInput(f'--mesh {args.mesh} has {total} devices: not a multiple of --processes {args.processes}')
+  argv = [a for a in sys.argv[1:]]
+  with tempfile.TemporaryDirectory(prefix='parity-run-') as tmp:
+    if args.checkpoint_every and not args.checkpoint_dir:
+      argv += ['--checkpoint-dir', os.path.join(tmp, 'checkpoints')]  # one directory, shared
+    env = dict(os.environ)
+    env['XLA_FLAGS'] = ' '.join(
+        f for f in env.get('XLA_FLAGS', '').split() if not f.startswith('--xla_force_host_platform_device_count')
+    )
+    print(f'parity: {args.processes} processes x {total // args.processes} CPU devices,'
+          f' coordinator on {launcher.LOOPBACK}; process 0 reports', file=sys.stderr)
+    try:
+      launcher.launch(
+          [sys.executable, '-m', 'parity', *argv], args.processes,
+          timeout_s=args.timeout, env=env, log_dir=tmp, verdict_codes=(1, 2),
+      )
+    except launcher.LaunchError as e:
+      print(f'parity: error: {e}', file=sys.stderr)
+      return 3
+    except launcher.Verdict as v:
+      return v.code
   return 0
 
 
@@ -266,6 +323,16 @@ def build_parser() -> argparse.ArgumentParser:
   compare.add_argument('--nondeterministic-gpu', action='store_true',
                        help='on a GPU, leave XLA free to pick nondeterministic kernels (default:'
                             ' --xla_gpu_deterministic_ops=true, needed for bitwise runs)')
+  compare.add_argument('--processes', type=int, default=1, metavar='N',
+                       help='run as N processes on this machine (a local coordinator, gloo'
+                            ' collectives), each with its share of the --mesh devices, as N pod'
+                            ' hosts would; process 0 prints the report')
+  compare.add_argument('--timeout', type=float, default=900.0, metavar='S',
+                       help='with --processes: stop every process and fail after S seconds'
+                            ' (default 900)')
+  compare.add_argument('--state-digest', action='store_true',
+                       help='add final_state_sha256 (the final state\'s raw bits, gathered) to'
+                            ' the JSON, to compare runs across process counts')
   compare.set_defaults(func=cmd_compare)
 
   from parity.convert import add_convert_parser
@@ -278,11 +345,35 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   try:
+    if getattr(args, 'processes', 1) > 1 and not _in_worker():
+      return args.func(args)  # the launcher: jax is not started here
     prepare_xla(args)
+    if _in_worker():
+      return _run_worker(args)
     return args.func(args)
   except BadInput as e:
     print(f'parity: error: {e}', file=sys.stderr)
     return 2
+
+
+def _run_worker(args) -> int:
+  """One process of `--processes N`: join the run, then the command as usual.
+
+  Exit 0, 1 or 2 as the command decides (every process decides alike); a
+  crash is 3, so the launcher can tell a verdict from a failure.
+  """
+  import traceback
+
+  from parity import distributed
+
+  distributed.initialize_from_env()
+  try:
+    return args.func(args)
+  except BadInput:
+    raise
+  except Exception:  # reported with its traceback, as a process failure
+    traceback.print_exc()
+    return 3
 
 
 if __name__ == '__main__':

@@ -40,9 +40,9 @@ import numpy as np
 from bridge import layout as layout_lib
 from models import data, rng
 from models.config import ModelConfig, TrainConfig
-from parity import bitwise, programs
+from parity import bitwise, distributed, programs
 from parity.flops import StepFlops, train_step_flops
-from parity.sides import as_jax_batch, make_sides
+from parity.sides import make_sides
 
 SIDES = ('linen', 'nnx')
 
@@ -86,6 +86,8 @@ class CompareResult:
   train_cfg: TrainConfig | None = None
   seed: int = 0
   mesh_shape: dict[str, int] | None = None  # None: one device, no mesh
+  process_count: int = 1
+  final_state_sha256: str | None = None  # of the Linen side's final state (--state-digest)
   num_devices: int = 1
   device_kind: str = ''
   platform: str = ''
@@ -210,6 +212,8 @@ class CompareResult:
         'param_count': self.param_count,
         'tokens_per_step': self.tokens_per_step,
         'mesh': self.mesh_shape,
+        'process_count': self.process_count,
+        'final_state_sha256': self.final_state_sha256,
         'num_devices': self.num_devices,
         'device_kind': self.device_kind,
         'platform': self.platform,
@@ -439,6 +443,7 @@ def run_compare(
     checkpoint_dir: str | None = None,
     program_diff: bool = True,
     on_phase: Callable[[str], None] | None = None,
+    state_digest: bool = False,
 ) -> CompareResult:
   """Trains both sides `steps` steps from one state; see the module doc.
 
@@ -460,9 +465,11 @@ def run_compare(
   states = {init_side: sides[init_side].init(seed)}
   states[other] = sides[other].from_checkpoint(sides[init_side].to_checkpoint(states[init_side]))
   dropout_base = rng.base_key(seed)
+  if mesh is not None:  # one array over the whole mesh (every process holds the same key)
+    dropout_base = distributed.replicated(dropout_base, mesh)
   runs = {name: SideRun() for name in SIDES}
 
-  first_batch = as_jax_batch(data.make_batch(model_cfg, train_cfg, 0))
+  first_batch = sides['linen'].place_batch(data.make_batch(model_cfg, train_cfg, 0))
   compiled = {}
   for name in SIDES:
     say(f'compiling the {name} train step')
@@ -483,9 +490,10 @@ def run_compare(
         on_step, checkpoint_every, checkpoint_fn,
     )
 
-  diffs = bitwise.compare_trees(
-      sides['linen'].to_checkpoint(states['linen']), sides['nnx'].to_checkpoint(states['nnx'])
-  )
+  finals = [sides[name].to_checkpoint(states[name]) for name in SIDES]
+  if jax.process_count() > 1 or state_digest:  # each process holds only its shards
+    finals = [distributed.host_arrays(f) for f in finals]
+  diffs = bitwise.compare_trees(*finals)
   return CompareResult(
       steps=steps,
       init_side=init_side,
@@ -497,6 +505,8 @@ def run_compare(
       train_cfg=train_cfg,
       seed=seed,
       mesh_shape=None if mesh is None else dict(mesh.shape),
+      process_count=jax.process_count(),
+      final_state_sha256=bitwise.digest(finals[0]) if state_digest else None,
       num_devices=1 if mesh is None else int(mesh.devices.size),
       device_kind=device.device_kind,
       platform=device.platform,
@@ -504,6 +514,13 @@ def run_compare(
       program_diff=diff,
       program_texts={name: compiled[name].text for name in SIDES},
   )
+
+
+def _host_value(x: jax.Array) -> np.ndarray:
+  """A replicated value on the host (in a multi-process run, this process's copy)."""
+  if not x.is_fully_addressable:
+    return np.asarray(x.addressable_data(0))
+  return np.asarray(x)
 
 
 def _train(
@@ -519,7 +536,7 @@ def _train(
     # Batches are placed (and ready) before the clock starts for either side.
     batches = {
         name: jax.block_until_ready(
-            jax.device_put(as_jax_batch(host_batch), compiled[name].batch_sharding)
+            jax.device_put(sides[name].place_batch(host_batch), compiled[name].batch_sharding)
         )
         for name in SIDES
     }
@@ -528,7 +545,7 @@ def _train(
     for name in order:
       start = clock()
       states[name], metrics = compiled[name].executable(states[name], batches[name], dropout_base)
-      loss = np.asarray(metrics['loss'])  # the host synchronisation that ends the step
+      loss = _host_value(metrics['loss'])  # the host synchronisation that ends the step
       end = clock()
       run = runs[name]
       run.step_times.append(end - start)

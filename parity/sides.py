@@ -124,8 +124,21 @@ class _Placement:
       return self._train_step(state, batch, dropout_base)
 
   def place_batch(self, batch) -> dict[str, jax.Array]:
-    """The batch as the step takes it (on a mesh, the step places it)."""
-    return as_jax_batch(batch)
+    """The batch as the step takes it: on a mesh, split over the logical batch axis.
+
+    Each process supplies only its own rows (parity.distributed), as a pod
+    host's input pipeline does; in one process that is every row.
+    """
+    if self.mesh is None:
+      return as_jax_batch(batch)
+    from parity import distributed
+
+    return distributed.global_batch(batch, self.batch_sharding)
+
+  @functools.cached_property
+  def batch_sharding(self) -> jax.sharding.NamedSharding:
+    spec = jax.sharding.PartitionSpec('activation_batch')
+    return nn.logical_to_mesh_sharding(spec, self.mesh, list(self.rules))
 
   def _check_probe(self) -> None:
     if self.model_cfg.scan_layers:
