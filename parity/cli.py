@@ -177,7 +177,7 @@ def cmd_compare(args) -> int:
         model_cfg, train_cfg, args.steps, seed=args.seed, init_side=args.init,
         on_step=progress.step, on_phase=progress.phase, mesh=mesh,
         checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
-        state_digest=args.state_digest,
+        state_digest=args.state_digest, resume_from=_resume(args),
     )
   except Exception as e:  # XLA's runtime error type moved between jax versions
     message = out_of_memory_message(e, args)
@@ -204,6 +204,29 @@ def cmd_compare(args) -> int:
           ' --numbers-only compares the numbers alone', file=sys.stderr)
     return 1
   return 0
+
+
+def _resume(args) -> tuple[str, int] | None:
+  if args.resume_from is None:
+    if args.resume_step is not None:
+      raise BadInput('--resume-step needs --resume-from')
+    return None
+  from parity import checkpoints
+
+  try:
+    manager = checkpoints.open_manager(args.resume_from, create=False, read_only=True)
+  except checkpoints.CheckpointError as e:
+    raise BadInput(str(e)) from None
+  steps = sorted(manager.all_steps())
+  manager.close()
+  if not steps:
+    raise BadInput(f'--resume-from {args.resume_from}: no checkpoint there')
+  step = steps[-1] if args.resume_step is None else args.resume_step
+  if step not in steps:
+    raise BadInput(f'--resume-step {step}: not in {args.resume_from} (steps there: {steps})')
+  if step + 1 >= args.steps:
+    raise BadInput(f'--resume-step {step}: nothing left to train in --steps {args.steps}')
+  return args.resume_from, step
 
 
 def _in_worker() -> bool:
@@ -330,6 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
   compare.add_argument('--timeout', type=float, default=900.0, metavar='S',
                        help='with --processes: stop every process and fail after S seconds'
                             ' (default 900)')
+  compare.add_argument('--resume-from', default=None, metavar='DIR',
+                       help='both sides restore the checkpoint in DIR (one side\'s directory of'
+                            ' --checkpoint-dir, e.g. DIR/linen) at --resume-step and train on to'
+                            ' --steps')
+  compare.add_argument('--resume-step', type=int, default=None, metavar='N',
+                       help='the checkpoint step --resume-from restores (default: its latest)')
   compare.add_argument('--state-digest', action='store_true',
                        help='add final_state_sha256 (the final state\'s raw bits, gathered) to'
                             ' the JSON, to compare runs across process counts')

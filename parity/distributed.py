@@ -1,8 +1,9 @@
 """The multi-controller side of a run: one process of many, as on a pod host.
 
-`initialize_from_env` joins the run `parity.launcher` started (or any run
-with the same three environment variables): CPU collectives over gloo, a
-coordinator on the loopback interface. After it, `jax.devices()` lists every
+`initialize_from_env` joins the run `parity.launcher` started on this
+machine (coordinator on the loopback interface), or a run on real hosts
+started with the same three environment variables on each (the coordinator
+then on host 0's address): CPU collectives over gloo. After it, `jax.devices()` lists every
 process's devices and a mesh spans them all.
 
 Batches are assembled from process-local data: each process keeps only its
@@ -39,8 +40,7 @@ def initialize_from_env() -> bool:
   if found is None:
     return False
   coordinator, count, index = found
-  if not coordinator.startswith(launcher.LOOPBACK + ':'):
-    raise ValueError(f'coordinator {coordinator!r}: only the loopback interface is used here')
+  # CPU collectives between processes (accelerators use their own interconnect).
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   jax.distributed.initialize(coordinator, num_processes=count, process_id=index)
   return True

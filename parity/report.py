@@ -190,12 +190,13 @@ class Report:
     lin, nnx = self.result.linen, self.result.nnx
     saved = set(lin.checkpoint_steps)
     rows = []
-    for step in range(len(lin.losses)):
-      equal = 'yes' if lin.loss_hex[step] == nnx.loss_hex[step] else 'NO'
+    for i in range(len(lin.losses)):
+      step = self.result.first_step + i  # a resumed run starts after its checkpoint's step
+      equal = 'yes' if lin.loss_hex[i] == nnx.loss_hex[i] else 'NO'
       mark = ' (ckpt after)' if step in saved else ''
       rows.append((
-          f'{step}{mark}', _loss(lin.losses[step]), _loss(nnx.losses[step]), equal,
-          _seconds(lin.step_times[step]), _seconds(nnx.step_times[step]),
+          f'{step}{mark}', _loss(lin.losses[i]), _loss(nnx.losses[i]), equal,
+          _seconds(lin.step_times[i]), _seconds(nnx.step_times[i]),
       ))
     return rows
 
@@ -292,7 +293,7 @@ class Report:
     import matplotlib.pyplot as plt
 
     r = self.result
-    steps = np.arange(len(r.linen.losses))
+    steps = r.first_step + np.arange(len(r.linen.losses))
     linen = np.asarray(r.linen.losses, np.float64)
     nnx = np.asarray(r.nnx.losses, np.float64)
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)

@@ -87,6 +87,7 @@ class CompareResult:
   seed: int = 0
   mesh_shape: dict[str, int] | None = None  # None: one device, no mesh
   process_count: int = 1
+  first_step: int = 0  # > 0: resumed from a checkpoint of step first_step - 1
   final_state_sha256: str | None = None  # of the Linen side's final state (--state-digest)
   num_devices: int = 1
   device_kind: str = ''
@@ -213,6 +214,7 @@ class CompareResult:
         'tokens_per_step': self.tokens_per_step,
         'mesh': self.mesh_shape,
         'process_count': self.process_count,
+        'first_step': self.first_step,
         'final_state_sha256': self.final_state_sha256,
         'num_devices': self.num_devices,
         'device_kind': self.device_kind,
@@ -444,6 +446,7 @@ def run_compare(
     program_diff: bool = True,
     on_phase: Callable[[str], None] | None = None,
     state_digest: bool = False,
+    resume_from: tuple[str, int] | None = None,
 ) -> CompareResult:
   """Trains both sides `steps` steps from one state; see the module doc.
 
@@ -453,6 +456,9 @@ def run_compare(
   through `checkpoint_fn` when given, else with Orbax (parity.checkpoints)
   under `checkpoint_dir` or a temporary directory. `on_phase` hears what
   the runner is doing before each slow phase (initialising, compiling).
+  `resume_from=(directory, step)`: both sides restore the one checkpoint
+  saved there as `step` (by either side, by any process count) with its
+  dropout key, and train steps `step + 1` to `steps - 1`.
   """
   if init_side not in SIDES:
     raise ValueError(f"init_side must be 'linen' or 'nnx', got {init_side!r}")
@@ -460,13 +466,28 @@ def run_compare(
     raise ValueError(f'checkpoint_every must be >= 0, got {checkpoint_every}')
   say = on_phase or (lambda _: None)
   sides = dict(zip(SIDES, sides_for(model_cfg, train_cfg, mesh)))
-  say(f'initialising ({init_side}) and carrying the state to the other side')
-  other = 'nnx' if init_side == 'linen' else 'linen'
-  states = {init_side: sides[init_side].init(seed)}
-  states[other] = sides[other].from_checkpoint(sides[init_side].to_checkpoint(states[init_side]))
-  dropout_base = rng.base_key(seed)
-  if mesh is not None:  # one array over the whole mesh (every process holds the same key)
-    dropout_base = distributed.replicated(dropout_base, mesh)
+  first_step = 0
+  if resume_from is not None:
+    from parity import checkpoints
+
+    directory, saved_step = resume_from
+    say(f'restoring step {saved_step} from {directory} into both sides')
+    manager = checkpoints.open_manager(directory, create=False, read_only=True)
+    states = {}
+    for name in SIDES:
+      states[name], dropout_base = checkpoints.restore(manager, saved_step, sides[name])
+    manager.close()
+    first_step = saved_step + 1
+    if first_step >= steps:
+      raise ValueError(f'resuming after step {saved_step} leaves nothing to train in {steps} steps')
+  else:
+    say(f'initialising ({init_side}) and carrying the state to the other side')
+    other = 'nnx' if init_side == 'linen' else 'linen'
+    states = {init_side: sides[init_side].init(seed)}
+    states[other] = sides[other].from_checkpoint(sides[init_side].to_checkpoint(states[init_side]))
+    dropout_base = rng.base_key(seed)
+    if mesh is not None:  # one array over the whole mesh (every process holds the same key)
+      dropout_base = distributed.replicated(dropout_base, mesh)
   runs = {name: SideRun() for name in SIDES}
 
   first_batch = sides['linen'].place_batch(data.make_batch(model_cfg, train_cfg, 0))
@@ -487,7 +508,7 @@ def run_compare(
       checkpoint_fn = stack.enter_context(_default_saver(checkpoint_dir, dropout_base))
     first_divergent = _train(
         model_cfg, train_cfg, steps, sides, states, compiled, dropout_base, runs,
-        on_step, checkpoint_every, checkpoint_fn,
+        on_step, checkpoint_every, checkpoint_fn, first_step,
     )
 
   finals = [sides[name].to_checkpoint(states[name]) for name in SIDES]
@@ -506,6 +527,7 @@ def run_compare(
       seed=seed,
       mesh_shape=None if mesh is None else dict(mesh.shape),
       process_count=jax.process_count(),
+      first_step=first_step,
       final_state_sha256=bitwise.digest(finals[0]) if state_digest else None,
       num_devices=1 if mesh is None else int(mesh.devices.size),
       device_kind=device.device_kind,
@@ -525,13 +547,13 @@ def _host_value(x: jax.Array) -> np.ndarray:
 
 def _train(
     model_cfg, train_cfg, steps, sides, states, compiled, dropout_base, runs,
-    on_step, checkpoint_every, checkpoint_fn,
+    on_step, checkpoint_every, checkpoint_fn, first_step=0,
 ) -> int | None:
   """The timed loop; fills `runs` and `states`, returns the first divergent step."""
   clock = time.perf_counter
   origin = clock()
   first_divergent = None
-  for step in range(steps):
+  for step in range(first_step, steps):
     host_batch = data.make_batch(model_cfg, train_cfg, step)
     # Batches are placed (and ready) before the clock starts for either side.
     batches = {
