@@ -18,6 +18,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import jax
 
+from models import compat
+
 Flat = dict[str, Any]
 
 
@@ -137,3 +139,23 @@ class Pair:
       if d.covers(path, pass_name):
         return d
     return None
+
+
+def step_argument_names(
+    lowered: jax.stages.Lowered, state: Any, batch: Mapping[str, Any],
+    checkpoint_leaves: Callable[[Any], dict[str, Any]],
+) -> list[str]:
+  """A name per argument of a lowered `step(state, batch, dropout_base)`'s `@main`.
+
+  A state leaf is named by its checkpoint path (`checkpoint_leaves` maps a
+  tree shaped like the state to `{checkpoint path: leaf}`), a batch entry
+  `batch/<key>`, the key `dropout_base`; arguments jit dropped as unused have
+  no entry. Both sides name the same argument alike, whatever their order.
+  """
+  leaves, treedef = jax.tree.flatten(state)
+  index_tree = jax.tree.unflatten(treedef, list(range(len(leaves))))
+  names = [''] * len(leaves)
+  for path, index in checkpoint_leaves(index_tree).items():
+    names[index] = path
+  names += [f'batch/{key}' for key in sorted(batch)] + ['dropout_base']
+  return [names[i] for i in compat.kept_argument_indices(lowered, len(names))]

@@ -111,18 +111,19 @@ def launch(
     log_dir: str | None = None,
     stream: bool = True,
     verdict_codes: Sequence[int] = (),
+    port: int | None = None,
 ) -> list[str]:
   """Runs `argv` as `num_processes` processes; returns each one's log file path.
 
   Raises LaunchError if any process fails or the run exceeds `timeout_s`.
   An exit status in `verdict_codes` is a command's answer, not a failure:
   once every process has exited with 0 or such a status, Verdict carries
-  process 0's.
+  process 0's. `port`: the coordinator's port (default: a free one).
   """
   if num_processes < 1:
     raise ValueError(f'num_processes must be at least 1, got {num_processes}')
   log_dir = log_dir or tempfile.mkdtemp(prefix='parity-processes-')
-  coordinator = f'{LOOPBACK}:{free_port()}'
+  coordinator = f'{LOOPBACK}:{port or free_port()}'
   procs: list[subprocess.Popen] = []
   logs = [os.path.join(log_dir, f'process-{i}.log') for i in range(num_processes)]
   files = []

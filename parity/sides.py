@@ -100,20 +100,8 @@ class _Placement:
     return self._train_step
 
   def argument_names(self, lowered: jax.stages.Lowered, state, batch, dropout_base) -> list[str]:
-    """A name per argument of the lowered step's `@main`, the same on both sides.
-
-    A state leaf is named by its checkpoint path (the bridge's mapping), a
-    batch entry `batch/<key>`, the dropout key `dropout_base`; arguments
-    jit dropped as unused have no entry.
-    """
-    state_leaves, treedef = jax.tree.flatten(state)
-    index_tree = jax.tree.unflatten(treedef, list(range(len(state_leaves))))
-    names = [''] * len(state_leaves)
-    for path, index in self._checkpoint_leaves(index_tree).items():
-      names[index] = path
-    names += [f'batch/{key}' for key in sorted(batch)] + ['dropout_base']
-    kept = compat.kept_argument_indices(lowered, len(names))
-    return [names[i] for i in kept]
+    """A name per argument of the lowered step (parity.adapter.step_argument_names)."""
+    return adapter.step_argument_names(lowered, state, batch, self._checkpoint_leaves)
 
   def comparison_state(self, state):
     """The state the program comparison traces this side's step with (see programs.ALLOWED)."""

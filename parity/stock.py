@@ -14,6 +14,7 @@ axis over the pair's batch axis (data parallel).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, Mapping
@@ -89,17 +90,10 @@ class _Stock:
       return self._train_step.lower(state, batch, dropout_base)
 
   def _context(self):
-    import contextlib
     return contextlib.nullcontext() if self.mesh is None else compat.use_mesh(self.mesh)
 
   def argument_names(self, lowered, state, batch, dropout_base) -> list[str]:
-    leaves, treedef = jax.tree.flatten(state)
-    index_tree = jax.tree.unflatten(treedef, list(range(len(leaves))))
-    names = [''] * len(leaves)
-    for path, index in self._checkpoint_leaves(index_tree).items():
-      names[index] = path
-    names += [f'batch/{key}' for key in sorted(batch)] + ['dropout_base']
-    return [names[i] for i in compat.kept_argument_indices(lowered, len(names))]
+    return adapter.step_argument_names(lowered, state, batch, self._checkpoint_leaves)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -246,7 +246,25 @@ def test_a_process_killed_while_saving_leaves_no_partial_checkpoint(tmp_path):
     manager.close()
 
 
-def test_the_coordinator_port_is_free_after_a_run(tmp_path):
+def test_no_process_or_port_is_left_after_a_multi_process_jax_run(tmp_path):
+  """Two processes join through the coordinator and exit; its port is free again."""
   port = launcher.free_port()
+  body = (
+      'import os\n'
+      'os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"\n'
+      'from parity import distributed\n'
+      'assert distributed.initialize_from_env()\n'
+      'import jax\n'
+      'print(os.getpid(), jax.process_index(), jax.process_count(), jax.device_count(), flush=True)\n'
+  )
+  logs = launcher.launch(_script(body), 2, timeout_s=120, stream=False, port=port, log_dir=str(tmp_path))
+  lines = [open(log).read().split('\n') for log in logs]
+  seen = [next(l for l in ls if l.count(' ') == 3 and l.split()[0].isdigit()).split() for ls in lines]
+  assert [s[1:] for s in seen] == [['0', '2', '4'], ['1', '2', '4']]
+  assert not any(_alive(int(s[0])) for s in seen)
   with socket.socket() as s:
-    s.bind((launcher.LOOPBACK, port))  # nothing kept it
+    # Nothing listens there any more (connections the coordinator closed may
+    # linger in TIME_WAIT, which SO_REUSEADDR allows; a listener would not be).
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((launcher.LOOPBACK, port))
+    s.listen()
