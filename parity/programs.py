@@ -307,7 +307,11 @@ class _Canonicalizer:
     parts: list[tuple[str, Any]] = [('structure', header)]
     for line in lines[1:]:
       stripped = line.strip()
-      if _indent_of(line) <= base or stripped.startswith(_STRUCTURE):
+      # A `reducer(...)` or `^bb0(...)` line is this operation's own structure
+      # only within one indentation step of it; deeper, it belongs to an
+      # operation nested in a region (e.g. a scatter inside a while body).
+      own = _indent_of(line) < base + len(_INDENT)
+      if _indent_of(line) <= base or (own and stripped.startswith(_STRUCTURE)):
         parts.append(('structure', stripped))
       elif parts[-1][0] == 'region':
         parts[-1][1].append(line)

@@ -10,7 +10,6 @@ on another axis on purpose; its programs differ and the report says why.
 The numbers come from runs the suite makes anyway (`tests.runs`): nothing
 here compiles a step of its own.
 """
-import jax
 import pytest
 
 from bridge.layout import layout_for
@@ -23,18 +22,7 @@ SAME_LAYOUT = [s for s in sorted(SCENARIOS) if not layout_for(get_configs('tiny'
 ALLOWED = [a.name for a in programs.ALLOWED]
 
 
-JAX_MINOR = tuple(int(x) for x in jax.__version__.split('.')[:2])
-# Known gap, stated and strict (it fails the day it passes): on jax 0.12 the
-# fp8 scan's carried values (the scaling state next to the parameters) are
-# not brought into one order by the canonicaliser, and 1,282 canonical lines
-# differ although memory is equal to the byte and every step is bitwise equal.
-FP8_ORDER_GAP = pytest.mark.xfail(
-    JAX_MINOR >= (0, 12), strict=True,
-    reason='jax 0.12: the canonical form does not yet order the fp8 scan carry alike',
-)
-PROGRAM_CASES = [
-    pytest.param(s, marks=FP8_ORDER_GAP) if s == '05_fp8' else s for s in SAME_LAYOUT
-]
+PROGRAM_CASES = SAME_LAYOUT
 
 
 def _check_memory(memory: tuple[dict, dict]) -> None:

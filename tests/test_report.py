@@ -244,6 +244,34 @@ def test_argument_and_result_order_of_a_call_does_not_matter():
   assert not d.identical and 'stablehlo.subtract' in d.diff
 
 
+def _loop(swap: bool, factor: float = 2.0):
+  """A while loop whose body scatters (an op with a region of its own), carry order per `swap`."""
+  import jax
+
+  def body(carry):
+    i, x, y = carry
+    a, b = (y, x) if swap else (x, y)
+    a, b = a.at[i].set(b[i]), b * factor
+    return (i + 1, b, a) if swap else (i + 1, a, b)
+
+  def f(a, b):
+    init = (0, b, a) if swap else (0, a, b)
+    _, x, y = jax.lax.while_loop(lambda c: c[0] < 3, body, init)
+    return (y, x) if swap else (x, y)
+
+  x = jax.ShapeDtypeStruct((4,), 'float32')
+  return jax.jit(f).lower(x, x).as_text()
+
+
+def test_loop_carry_order_does_not_matter_with_regions_in_the_body():
+  """The order is read through ops with regions nested in the body (fp8's amax scatter on jax 0.12)."""
+  straight, swapped = _loop(False), _loop(True)
+  names = dict(linen_args=['a', 'b'], nnx_args=['a', 'b'])
+  assert '^bb0' in straight and straight != swapped
+  assert programs.diff(straight, swapped, **names).identical
+  assert not programs.diff(straight, _loop(True, factor=3.0), **names).identical
+
+
 # ---------------------------------------------------------------------------
 # Tables and progress
 # ---------------------------------------------------------------------------
