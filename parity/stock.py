@@ -19,6 +19,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Mapping
 
+import flax.linen as nn
 import jax
 from flax import nnx
 
@@ -153,7 +154,10 @@ class StockLinen(_Stock):
     return self.place(bridge_stock.checkpoint_to_linen(flat, self.template))
 
   def param_specs(self) -> dict[str, tuple]:
-    return {'params/' + p: () for p in paths.flatten(self.template.params)}
+    """Logical axis names of boxed parameters (`nn.with_logical_partitioning`); `()` if none."""
+    specs = nn.get_partition_spec(self.template.params)
+    flat = paths.items(specs, lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return {'params/' + p: tuple(spec) for p, spec in flat}
 
   def comparison_state(self, state):
     """The step counter typed as `nnx.Optimizer`'s (parity.programs.STEP_COUNTER_DTYPE)."""
