@@ -170,21 +170,34 @@ def cmd_compare(args) -> int:
       ) from None
   mesh = _mesh(args.mesh)
   train_cfg = config.replace(train_cfg, seed=args.seed)
+  pair = _load_pair(args.pair) if args.pair else None
 
   progress = report_lib.Progress(args.steps)
+  options = dict(
+      on_step=progress.step, on_phase=progress.phase, mesh=mesh,
+      checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
+      state_digest=args.state_digest, resume_from=_resume(args),
+  )
   try:
-    result = runner.run_compare(
-        model_cfg, train_cfg, args.steps, seed=args.seed, init_side=args.init,
-        on_step=progress.step, on_phase=progress.phase, mesh=mesh,
-        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
-        state_digest=args.state_digest, resume_from=_resume(args),
-    )
+    if pair is None:
+      result = runner.run_compare(
+          model_cfg, train_cfg, args.steps, seed=args.seed, init_side=args.init, **options
+      )
+    else:
+      result = runner.compare_sides(
+          pair.make_sides(mesh), lambda step: pair.batch(step, 'train'), args.steps,
+          seed=args.seed, init_side=args.init,
+          declared_program_difference=pair.program_difference(), **options,
+      )
   except Exception as e:  # XLA's runtime error type moved between jax versions
     message = out_of_memory_message(e, args)
     if message is None:
       raise
     raise BadInput(message) from None
-  report = report_lib.Report(result, args.preset, args.scenario, args.mesh)
+  if pair is None:
+    report = report_lib.Report(result, args.preset, args.scenario, args.mesh)
+  else:
+    report = report_lib.Report(result, f'pair {pair.name}', '-', args.mesh)
   import jax
 
   if jax.process_index() == 0:  # one report for the whole run
@@ -204,6 +217,34 @@ def cmd_compare(args) -> int:
           ' --numbers-only compares the numbers alone', file=sys.stderr)
     return 1
   return 0
+
+
+def _load_pair(spec: str):
+  """The `Pair` named by `FILE.py:NAME` or `module.path:NAME`."""
+  import importlib
+  import importlib.util
+  import os
+
+  from parity import adapter
+
+  where, sep, name = spec.rpartition(':')
+  if not sep or not where or not name:
+    raise BadInput(f'--pair {spec}: expected FILE.py:NAME or module:NAME')
+  try:
+    if where.endswith('.py'):
+      if not os.path.isfile(where):
+        raise BadInput(f'--pair {spec}: no file {where}')
+      module_spec = importlib.util.spec_from_file_location(f'_parity_pair_{abs(hash(where))}', where)
+      module = importlib.util.module_from_spec(module_spec)
+      module_spec.loader.exec_module(module)
+    else:
+      module = importlib.import_module(where)
+  except ImportError as e:
+    raise BadInput(f'--pair {spec}: cannot import {where}: {e}') from None
+  pair = getattr(module, name, None)
+  if not isinstance(pair, adapter.Pair):
+    raise BadInput(f'--pair {spec}: {where} has no Pair named {name!r}')
+  return pair
 
 
 def _resume(args) -> tuple[str, int] | None:
@@ -346,6 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
   compare.add_argument('--nondeterministic-gpu', action='store_true',
                        help='on a GPU, leave XLA free to pick nondeterministic kernels (default:'
                             ' --xla_gpu_deterministic_ops=true, needed for bitwise runs)')
+  compare.add_argument('--pair', default=None, metavar='FILE.py:NAME',
+                       help='compare a declared pair (a parity.adapter.Pair, e.g.'
+                            ' tests/test_family_classifier.py:classifier or module:NAME) instead'
+                            ' of the reference decoder; --preset and --scenario do not apply')
   compare.add_argument('--processes', type=int, default=1, metavar='N',
                        help='run as N processes on this machine (a local coordinator, gloo'
                             ' collectives), each with its share of the --mesh devices, as N pod'

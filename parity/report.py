@@ -109,9 +109,10 @@ class Report:
   def title(self) -> str:
     r = self.result
     mesh = f'mesh {self.mesh}' if self.mesh else 'one device, no mesh'
+    what = (f'preset {self.preset or "?"}, scenario {self.scenario or "?"}'
+            if self.scenario != '-' else self.preset)  # '-': a declared pair, named in `preset`
     return (
-        f'Linen vs NNX: preset {self.preset or "?"}, scenario {self.scenario or "?"},'
-        f' {r.steps} steps, seed {r.seed}, {mesh}; {r.init_side} initialises'
+        f'Linen vs NNX: {what}, {r.steps} steps, seed {r.seed}, {mesh}; {r.init_side} initialises'
     )
 
   def summary_rows(self) -> list[tuple[str, str, str, str]]:

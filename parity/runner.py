@@ -89,6 +89,7 @@ class CompareResult:
   process_count: int = 1
   first_step: int = 0  # > 0: resumed from a checkpoint of step first_step - 1
   final_state_sha256: str | None = None  # of the Linen side's final state (--state-digest)
+  declared_program_difference: Any = None  # a pair's program KnownDifference (parity.adapter)
   num_devices: int = 1
   device_kind: str = ''
   platform: str = ''
@@ -107,7 +108,15 @@ class CompareResult:
 
   @property
   def expected_difference(self) -> str | None:
-    """Why memory and program may differ by design (the sides store a state differently)."""
+    """Why memory and program may differ by design (the sides store a state differently),
+    or a pair's declared program difference when the program stays within its bound."""
+    declared = self.declared_program_difference
+    if declared is not None:
+      d = self.program_diff
+      if d is not None and not d.identical and d.changed_lines <= declared.max_changed_lines:
+        return (f'declared: {", ".join(declared.paths)}: {declared.reason}'
+                f' ({d.changed_lines} of at most {declared.max_changed_lines} canonical lines)')
+      return None
     if self.model_cfg is None:
       return None
     moves = layout_lib.layout_for(self.model_cfg).moves
@@ -440,6 +449,28 @@ def run_compare(
     on_step: Callable[[int, SideRun, SideRun], None] | None = None,
     *,
     mesh: jax.sharding.Mesh | None = None,
+    **kwargs,
+) -> CompareResult:
+  """The reference decoder's two sides of one config, compared (see `compare_sides`)."""
+  result = compare_sides(
+      sides_for(model_cfg, train_cfg, mesh),
+      lambda step: data.make_batch(model_cfg, train_cfg, step),
+      steps, seed, init_side, on_step, mesh=mesh, **kwargs,
+  )
+  result.model_cfg, result.train_cfg = model_cfg, train_cfg
+  result.flops = train_step_flops(model_cfg, train_cfg)
+  return result
+
+
+def compare_sides(
+    sides: tuple[Any, Any],
+    batch: Callable[[int], Any],
+    steps: int,
+    seed: int = 0,
+    init_side: str = 'linen',
+    on_step: Callable[[int, SideRun, SideRun], None] | None = None,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
     checkpoint_every: int = 0,
     checkpoint_fn: CheckpointFn | None = None,
     checkpoint_dir: str | None = None,
@@ -447,9 +478,11 @@ def run_compare(
     on_phase: Callable[[str], None] | None = None,
     state_digest: bool = False,
     resume_from: tuple[str, int] | None = None,
+    declared_program_difference: Any = None,
 ) -> CompareResult:
-  """Trains both sides `steps` steps from one state; see the module doc.
+  """Trains any two sides (parity.adapter.Side) `steps` steps from one state; see the module doc.
 
+  `batch(step)` is the host batch of a train step (numpy arrays).
   `on_step(step, linen_run, nnx_run)` is called once both sides' losses of
   `step` are on the host, before any checkpoint save of that step. With
   `checkpoint_every=N`, both states are saved after steps N-1, 2N-1, ...:
@@ -459,13 +492,15 @@ def run_compare(
   `resume_from=(directory, step)`: both sides restore the one checkpoint
   saved there as `step` (by either side, by any process count) with its
   dropout key, and train steps `step + 1` to `steps - 1`.
+  `declared_program_difference`: a program `KnownDifference` the verdict
+  accepts within its bound.
   """
   if init_side not in SIDES:
     raise ValueError(f"init_side must be 'linen' or 'nnx', got {init_side!r}")
   if checkpoint_every < 0:
     raise ValueError(f'checkpoint_every must be >= 0, got {checkpoint_every}')
   say = on_phase or (lambda _: None)
-  sides = dict(zip(SIDES, sides_for(model_cfg, train_cfg, mesh)))
+  sides = dict(zip(SIDES, sides))
   first_step = 0
   if resume_from is not None:
     from parity import checkpoints
@@ -490,7 +525,7 @@ def run_compare(
       dropout_base = distributed.replicated(dropout_base, mesh)
   runs = {name: SideRun() for name in SIDES}
 
-  first_batch = sides['linen'].place_batch(data.make_batch(model_cfg, train_cfg, 0))
+  first_batch = sides['linen'].place_batch(batch(0))
   compiled = {}
   for name in SIDES:
     say(f'compiling the {name} train step')
@@ -507,7 +542,7 @@ def run_compare(
     if checkpoint_every and checkpoint_fn is None:
       checkpoint_fn = stack.enter_context(_default_saver(checkpoint_dir, dropout_base))
     first_divergent = _train(
-        model_cfg, train_cfg, steps, sides, states, compiled, dropout_base, runs,
+        batch, steps, sides, states, compiled, dropout_base, runs,
         on_step, checkpoint_every, checkpoint_fn, first_step,
     )
 
@@ -522,8 +557,6 @@ def run_compare(
       nnx=runs['nnx'],
       first_divergent_step=first_divergent,
       state_diffs=[str(d) for d in diffs],
-      model_cfg=model_cfg,
-      train_cfg=train_cfg,
       seed=seed,
       mesh_shape=None if mesh is None else dict(mesh.shape),
       process_count=jax.process_count(),
@@ -532,7 +565,7 @@ def run_compare(
       num_devices=1 if mesh is None else int(mesh.devices.size),
       device_kind=device.device_kind,
       platform=device.platform,
-      flops=train_step_flops(model_cfg, train_cfg),
+      declared_program_difference=declared_program_difference,
       program_diff=diff,
       program_texts={name: compiled[name].text for name in SIDES},
   )
@@ -546,7 +579,7 @@ def _host_value(x: jax.Array) -> np.ndarray:
 
 
 def _train(
-    model_cfg, train_cfg, steps, sides, states, compiled, dropout_base, runs,
+    batch, steps, sides, states, compiled, dropout_base, runs,
     on_step, checkpoint_every, checkpoint_fn, first_step=0,
 ) -> int | None:
   """The timed loop; fills `runs` and `states`, returns the first divergent step."""
@@ -554,7 +587,7 @@ def _train(
   origin = clock()
   first_divergent = None
   for step in range(first_step, steps):
-    host_batch = data.make_batch(model_cfg, train_cfg, step)
+    host_batch = batch(step)
     # Batches are placed (and ready) before the clock starts for either side.
     batches = {
         name: jax.block_until_ready(

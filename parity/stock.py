@@ -122,7 +122,8 @@ class StockLinen(_Stock):
   def init(self, seed: int) -> Any:
     # A TrainState's treedef holds `apply_fn` and `tx`, which compare by
     # identity: every state of this side takes the template's.
-    leaves = jax.tree.leaves(self.create(seed))
+    # (`TrainState.create` leaves the step a Python int: an array like every leaf.)
+    leaves = [jax.numpy.asarray(x) for x in jax.tree.leaves(self.create(seed))]
     return self.place(jax.tree.unflatten(jax.tree.structure(self.template), leaves))
 
   @functools.cached_property

@@ -222,3 +222,32 @@ def test_mesh_on_cpu_gets_its_devices_without_a_device_count(tmp_path):
   data = json.loads(report.read_text())
   assert data['num_devices'] == 8 and data['bitwise_equal'] is True
   assert xla_env.host_device_count_flag(8) in data['xla_flags']
+
+
+def test_compare_takes_a_declared_pair(tmp_path, capsys):
+  """`parity compare --pair`: the runner and report on a user's pair, its declared difference accepted."""
+  out = tmp_path / 'pair.json'
+  spec = 'tests/test_family_classifier.py:classifier'
+  assert cli.main(['compare', '--pair', spec, '--steps', '3', '--json', str(out)]) == 0
+  text = capsys.readouterr().out
+  assert 'Linen vs NNX: pair classifier, 3 steps' in text
+  result = json.loads(out.read_text())
+  assert result['bitwise_equal'] and result['same_program']
+  assert result['memory_verdict'] == 'equal to the byte'
+  assert result['expected_difference'].startswith('declared: BatchNorm_0, BatchNorm_1:')
+
+
+def test_compare_of_a_diverging_pair_exits_1(capsys):
+  spec = 'tests/test_family_encoder.py:encoder_stock_attention'
+  assert cli.main(['compare', '--pair', spec, '--steps', '2']) == 1
+  assert 'DIVERGED at step 0' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('spec, message', [
+    ('nowhere.py:x', 'no file nowhere.py'),
+    ('tests/test_family_classifier.py:CFG', "has no Pair named 'CFG'"),
+    ('no_colon', 'expected FILE.py:NAME or module:NAME'),
+])
+def test_a_bad_pair_is_one_clear_error(spec, message, capsys):
+  assert cli.main(['compare', '--pair', spec]) == 2
+  assert message in capsys.readouterr().err
