@@ -240,7 +240,7 @@ def test_compare_takes_a_declared_pair(tmp_path, capsys):
 def test_compare_of_a_diverging_pair_exits_1(capsys):
   spec = 'tests/test_family_encoder.py:encoder_stock_attention'
   assert cli.main(['compare', '--pair', spec, '--steps', '2']) == 1
-  assert 'DIVERGED at step 0' in capsys.readouterr().out
+  assert 'verdict: DIVERGED' in capsys.readouterr().out  # the step depends on the jax version
 
 
 @pytest.mark.parametrize('spec, message', [
