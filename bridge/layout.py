@@ -73,3 +73,26 @@ def _move_item(names: Sequence[Any], src: int, dst: int) -> tuple[Any, ...]:
   names = list(names)
   names.insert(dst, names.pop(src))
   return tuple(names)
+
+
+def unstack_layers(
+    flat: dict[str, Any], num_layers: int, axis: int, stack: str = 'decoder/layers/'
+) -> dict[str, Any]:
+  """A scanned model's checkpoint leaves as the unscanned model's (Linen layout).
+
+  Every leaf under `stack` (parameters, their optimizer moments, fp8 state)
+  is cut along its layer `axis` into `decoder/layers_<i>/...`, one per
+  layer; other leaves are kept.
+  """
+  unscanned = stack.rstrip('/') + '_{}/'
+  out: dict[str, Any] = {}
+  for path, x in flat.items():
+    at = path.find(stack)
+    if at < 0 or (at > 0 and path[at - 1] != '/'):
+      out[path] = x
+      continue
+    if x.shape[axis] != num_layers:
+      raise ValueError(f'{path}: axis {axis} has {x.shape[axis]} entries, not {num_layers} layers')
+    for i in range(num_layers):
+      out[path[:at] + unscanned.format(i) + path[at + len(stack):]] = jnp.take(x, i, axis=axis)
+  return out

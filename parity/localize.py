@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -28,6 +29,7 @@ from bridge import paths
 from parity import adapter, bitwise
 
 ROOT = '(model)'
+_LAYER = re.compile(r'(^|/)layers_(\d+)(/|$)')
 
 
 def _float_tree(y: Any) -> Any:
@@ -225,6 +227,25 @@ class Localization:
   only_linen: list[str]
   only_nnx: list[str]
   details: dict[str, str]  # path -> bitwise detail of the first differing values
+  backward_ulp: dict[str, int] = dataclasses.field(default_factory=dict)  # module -> max ULP
+
+  def first(self, step: int | None = None) -> dict[str, Any] | None:
+    """The first divergent module: `{step, path, layer, pass, max_ulp}` (None: none found).
+
+    A layer of a stack (`.../layers_<i>/...`, as the unscanned twin of a
+    scanned stack names it) is reported as the stack's path with its index.
+    """
+    if self.forward is not None:
+      module, pass_name, ulp = self.forward, 'forward', self.forward_ulp
+    elif self.backward:
+      module = self.backward[0][0]
+      pass_name, ulp = 'backward', self.backward_ulp[module]
+    else:
+      return None
+    m = _LAYER.search(module)
+    layer = None if m is None else int(m.group(2))
+    path = module if m is None else module[:m.start()] + m.group(1) + 'layers' + m.group(3) + module[m.end():]
+    return {'step': step, 'path': path.rstrip('/'), 'layer': layer, 'pass': pass_name, 'max_ulp': ulp}
 
   @property
   def clean(self) -> bool:
@@ -310,6 +331,7 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       if p in nnx_probe.param_grads and differs(linen.param_grads[p], nnx_probe.param_grads[p], p)
   ]
   backward = []
+  backward_ulp: dict[str, int] = {}
   claimed: set[str] = set()
   # Innermost first: a module claims the differing gradients of its own
   # parameters when its output cotangent is equal; its parents then do not.
@@ -319,6 +341,9 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
     if mine:
       backward.append((module, mine))
       claimed.update(mine)
+      backward_ulp[module] = max(
+          bitwise.max_ulp(linen.param_grads[p], nnx_probe.param_grads[p]) for p in mine
+      )
   return Localization(
       forward=forward,
       forward_call=forward_call,
@@ -328,6 +353,7 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       only_linen=[k for k in linen.order if k not in set(nnx_probe.order)],
       only_nnx=[k for k in nnx_probe.order if k not in set(linen.order)],
       details=details,
+      backward_ulp=backward_ulp,
   )
 
 

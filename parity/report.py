@@ -248,8 +248,22 @@ class Report:
     if d is not None and not d.identical and d.diff:
       out += ['', d.diff]
     out += [''] + [f'- {n}' for n in self.notes()]
+    out += self.localizer_lines()
     out += ['', f'verdict: {self.result.verdict()}']
     return '\n'.join(out) + '\n'
+
+  def localizer_lines(self) -> list[str]:
+    """Where the first divergent step first computes something different (when run)."""
+    r = self.result
+    if r.localizer is None:
+      return []
+    out = ['', f'localizer (step {r.first_divergent_step}, both sides from the same state):']
+    first = r.first_divergent_module
+    if first is not None:
+      layer = '' if first['layer'] is None else f', layer {first["layer"]}'
+      out.append(f'  first divergent module: {first["path"]}{layer}, {first["pass"]} pass,'
+                 f' max {first["max_ulp"]} ULP')
+    return out + [f'  {line}' for line in r.localizer]
 
   def markdown(self) -> str:
     out = [f'### {self.title()}', '', _md_table(self.SUMMARY_HEADER, self.summary_rows()), '']

@@ -90,6 +90,9 @@ class CompareResult:
   first_step: int = 0  # > 0: resumed from a checkpoint of step first_step - 1
   final_state_sha256: str | None = None  # of the Linen side's final state (--state-digest)
   declared_program_difference: Any = None  # a pair's program KnownDifference (parity.adapter)
+  # The localizer's finding at the first divergent step: {step, path, layer, pass, max_ulp}.
+  first_divergent_module: dict[str, Any] | None = None
+  localizer: list[str] | None = None  # its report lines (None: not run)
   num_devices: int = 1
   device_kind: str = ''
   platform: str = ''
@@ -207,6 +210,8 @@ class CompareResult:
     return {
         'bitwise_equal': self.bitwise_equal,
         'first_divergent_step': self.first_divergent_step,
+        'first_divergent_module': self.first_divergent_module,
+        'localizer': self.localizer,
         'programs_identical': self.programs_identical,
         'verdict': self.verdict(),
         'memory_verdict': self.memory_verdict,
@@ -479,6 +484,7 @@ def compare_sides(
     state_digest: bool = False,
     resume_from: tuple[str, int] | None = None,
     declared_program_difference: Any = None,
+    localize_divergence: bool = True,
 ) -> CompareResult:
   """Trains any two sides (parity.adapter.Side) `steps` steps from one state; see the module doc.
 
@@ -493,7 +499,10 @@ def compare_sides(
   saved there as `step` (by either side, by any process count) with its
   dropout key, and train steps `step + 1` to `steps - 1`.
   `declared_program_difference`: a program `KnownDifference` the verdict
-  accepts within its bound.
+  accepts within its bound. When the losses diverge, the localizer runs the
+  first divergent step again from the Linen state it started from (carried
+  to NNX), and the result names the first divergent module
+  (`localize_divergence=False`: not; it keeps one more state alive).
   """
   if init_side not in SIDES:
     raise ValueError(f"init_side must be 'linen' or 'nnx', got {init_side!r}")
@@ -538,14 +547,17 @@ def compare_sides(
     runs[name].xla_flops = compiled[name].cost_flops()
   diff = program_diff_of(compiled['linen'], compiled['nnx']) if program_diff else None
 
+  divergence: dict[str, Any] = {}
   with contextlib.ExitStack() as stack:
     if checkpoint_every and checkpoint_fn is None:
       checkpoint_fn = stack.enter_context(_default_saver(checkpoint_dir, dropout_base))
     first_divergent = _train(
         batch, steps, sides, states, compiled, dropout_base, runs,
         on_step, checkpoint_every, checkpoint_fn, first_step,
+        divergence if localize_divergence else None,
     )
 
+  localized = _localize(sides, divergence, dropout_base, say) if divergence else None
   finals = [sides[name].to_checkpoint(states[name]) for name in SIDES]
   if jax.process_count() > 1 or state_digest:  # each process holds only its shards
     finals = [distributed.host_arrays(f) for f in finals]
@@ -566,9 +578,31 @@ def compare_sides(
       device_kind=device.device_kind,
       platform=device.platform,
       declared_program_difference=declared_program_difference,
+      first_divergent_module=None if localized is None else localized[0],
+      localizer=None if localized is None else localized[1],
       program_diff=diff,
       program_texts={name: compiled[name].text for name in SIDES},
   )
+
+
+def _localize(sides, divergence, dropout_base, say) -> tuple[dict | None, list[str]]:
+  """The localizer on the first divergent step, both sides from the Linen state before it."""
+  from parity import localize
+
+  step = divergence['step']
+  say(f'localizing the divergence at step {step}')
+  try:
+    linen_state = divergence['state']
+    nnx_state = sides['nnx'].from_checkpoint(sides['linen'].to_checkpoint(linen_state))
+    key = rng.step_key(dropout_base, step, 0)
+    probes = [
+        sides[name].probe(state, sides[name].place_batch(divergence['batch']), key)
+        for name, state in (('linen', linen_state), ('nnx', nnx_state))
+    ]
+    result = localize.localize(*probes)
+  except Exception as e:  # the verdict stands without it
+    return None, [f'localizer failed: {type(e).__name__}: {e}']
+  return result.first(step), result.lines()
 
 
 def _host_value(x: jax.Array) -> np.ndarray:
@@ -580,7 +614,7 @@ def _host_value(x: jax.Array) -> np.ndarray:
 
 def _train(
     batch, steps, sides, states, compiled, dropout_base, runs,
-    on_step, checkpoint_every, checkpoint_fn, first_step=0,
+    on_step, checkpoint_every, checkpoint_fn, first_step=0, divergence=None,
 ) -> int | None:
   """The timed loop; fills `runs` and `states`, returns the first divergent step."""
   clock = time.perf_counter
@@ -588,6 +622,7 @@ def _train(
   first_divergent = None
   for step in range(first_step, steps):
     host_batch = batch(step)
+    before = dict(states)
     # Batches are placed (and ready) before the clock starts for either side.
     batches = {
         name: jax.block_until_ready(
@@ -610,6 +645,8 @@ def _train(
       bits[name] = bitwise.raw_bits(loss)
     if first_divergent is None and not np.array_equal(bits['linen'], bits['nnx']):
       first_divergent = step
+      if divergence is not None:  # the state the divergent step started from, for the localizer
+        divergence.update(step=step, state=before['linen'], batch=host_batch)
     if on_step is not None:
       on_step(step, runs['linen'], runs['nnx'])
     if checkpoint_every and (step + 1) % checkpoint_every == 0:

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from bridge import layout as layout_lib
@@ -128,12 +129,28 @@ class _Placement:
     spec = jax.sharding.PartitionSpec('activation_batch')
     return nn.logical_to_mesh_sharding(spec, self.mesh, list(self.rules))
 
-  def _check_probe(self) -> None:
+  def probe(self, state, batch, dropout_key) -> adapter.Probe:
+    """The localizer's probe; a scanned stack is probed on its unscanned twin.
+
+    Module calls inside a scan body cannot be recorded from outside it, so
+    the state is cut into per-layer parameters (bridge.layout.unstack_layers)
+    and the same model code runs with `scan_layers=False`, one device: its
+    module paths name each layer (`decoder/layers_<i>/...`).
+    """
+    if not self.model_cfg.scan_layers and self.mesh is None:
+      return self._probe(state, batch, dropout_key)
+    from parity import distributed
+
+    flat = distributed.host_arrays(self.to_checkpoint(state))
     if self.model_cfg.scan_layers:
-      raise NotImplementedError(
-          'the localizer records module calls outside scans only: the scanned layers run in a'
-          ' scan body (nn.scan / nnx.scan); localize with scan_layers=False (02_unscanned)'
+      flat = layout_lib.unstack_layers(
+          flat, self.model_cfg.num_layers, self.model_cfg.param_scan_axis
       )
+    twin_cfg = dataclasses.replace(self.model_cfg, scan_layers=False)
+    twin = make_sides(twin_cfg, self.train_cfg)[0 if self.name == 'linen' else 1]
+    batch = {k: jnp.asarray(np.asarray(v)) for k, v in distributed.host_arrays(batch).items()}
+    key = jnp.asarray(np.asarray(dropout_key))
+    return twin._probe(twin.from_checkpoint(flat), batch, key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,9 +255,7 @@ class LinenSide(_Placement):
     value, grads = self.loss_and_grad(state, batch, dropout_key)
     return value, {'params/' + p: g for p, g in paths.flatten(grads).items()}
 
-  def probe(self, state, batch, dropout_key) -> adapter.Probe:
-    self._check_probe()
-
+  def _probe(self, state, batch, dropout_key) -> adapter.Probe:
     def loss(params, state, batch, key):
       return linen_train._loss_sum(self.model_cfg, self.train_cfg, params, state.fp8_meta, batch, key)
 
@@ -350,9 +365,7 @@ class NnxSide(_Placement):
         'params/params/' + p: self.layout.array_to_linen(p, g) for p, g in paths.flatten(grads).items()
     }
 
-  def probe(self, state, batch, dropout_key) -> adapter.Probe:
-    self._check_probe()
-
+  def _probe(self, state, batch, dropout_key) -> adapter.Probe:
     def loss(model, batch, key):
       return nnx_train._loss_sum(self.train_cfg, model, batch, key)[0]
 

@@ -3,8 +3,8 @@
 The plugin's battery (parity/battery.py) runs on the decoder's sides
 (parity/sides.py, which implement the adapter's `Side`): structure, logical
 specs, loss and gradients, training from each side's init, eval, Orbax round
-trips in four directions and resume across sides; the localizer where the
-layers are not scanned. What is specific to the decoder stays in its own
+trips in four directions and resume across sides; the localizer on a scanned
+and an unscanned scenario. What is specific to the decoder stays in its own
 modules: the seed parameter table and goldens (test_specs_default.py,
 test_scenarios.py), the 3-axis meshes and their rules (test_sharding.py),
 memory and program parity with the step-counter allowlist
@@ -25,6 +25,8 @@ from parity.sides import make_sides
 
 STEPS = 10  # as the runner's side-by-side runs (tests/runs.py)
 PARTS = ('structure', 'specs', 'grads', 'train', 'eval', 'checkpoints', 'resume')
+# The localizer on a scanned stack (probed through its unscanned twin) and on unscanned layers.
+LOCALIZED = ('01_baseline', '02_unscanned')
 
 
 def _sides(cfgs, mesh):
@@ -42,7 +44,7 @@ def _pair(scenario: str) -> Pair:
       functools.partial(_sides, cfgs),
       functools.partial(_batch, cfgs),
       steps=STEPS,
-      parts=PARTS + (() if cfgs[0].scan_layers else ('localize',)),
+      parts=PARTS + (('localize',) if scenario in LOCALIZED else ()),
       group=scenario,
   )
 

@@ -7,6 +7,8 @@ localizer must name that module and that pass, and nothing when unbroken.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -131,3 +133,64 @@ def test_a_backward_only_break_is_named_at_its_module(layer):
       f'backward pass: inside module dense_{layer}: output cotangent bitwise equal,'
       f' gradients differ: params/dense_{layer}/kernel'
   )
+
+
+# ---------------------------------------------------------------------------
+# One planted bug per stock-layer family, and the stock attention difference
+# ---------------------------------------------------------------------------
+
+
+def _family_localization(module_file, cfg, broken_create=None, pair_name=None):
+  """Localize a family pair, its NNX side built by `broken_create` (None: the pair as declared)."""
+  import functools
+
+  from parity import battery
+  from parity.adapter import Pair
+
+  if pair_name is not None:
+    pair = getattr(module_file, pair_name)
+  else:
+    def make_sides(mesh):
+      linen, nnx_side = module_file.make_sides(cfg, mesh)
+      return linen, dataclasses.replace(nnx_side, create=broken_create)
+
+    pair = Pair('broken', make_sides, module_file.classifier.batch if hasattr(module_file, 'classifier')
+                else module_file.encoder.batch)
+  runs = battery._runs(pair)
+  return localize.localize(runs.probe('linen'), runs.probe('nnx')).first(0)
+
+
+def test_a_classifier_batch_norm_epsilon_is_named():
+  from models.nnx import classifier as nnx_classifier
+  from tests import test_family_classifier as family
+
+  def create(seed):
+    model, optimizer = nnx_classifier.create_train_state(family.CFG, seed)
+    model.bn2.epsilon = 1e-3  # the planted bug: flax's default is 1e-5
+    return model, optimizer
+
+  first = _family_localization(family, family.CFG, create)
+  assert (first['path'], first['layer'], first['pass']) == ('BatchNorm_1', None, 'forward')
+
+
+def test_an_encoder_layer_norm_epsilon_is_named():
+  from models.nnx import encoder as nnx_encoder
+  from tests import test_family_encoder as family
+
+  def create(seed):
+    model, optimizer = nnx_encoder.create_train_state(family.CFG, seed)
+    model.layers[1].norm2.epsilon = 1e-3  # the planted bug: flax's default is 1e-6
+    return model, optimizer
+
+  first = _family_localization(family, family.CFG, create)
+  assert (first['path'], first['layer'], first['pass']) == ('layers/LayerNorm_1', 1, 'forward')
+
+
+def test_the_stock_attention_difference_is_named_with_its_pass():
+  from tests import test_family_encoder as family
+
+  first = _family_localization(family, None, pair_name='encoder_stock_attention')
+  assert (first['path'], first['layer'], first['pass']) == (
+      'layers/MultiHeadDotProductAttention_0', 0, 'forward'
+  )
+  assert 0 < first['max_ulp'] <= family.STOCK_ATTENTION.max_ulp
