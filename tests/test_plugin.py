@@ -1,46 +1,61 @@
-"""The pytest plugin, run as a user runs it: a pair declared in a fresh test file.
+"""The pytest plugin, run as a user runs it: the README's example in a fresh directory.
 
-The pair is the classifier family with the NNX side broken on purpose
-(another dropout rate), so the generated tests must fail with the bitwise
-report and the localizer's finding, and `--parity-parts` must select parts.
+The README's declaration (the classifier family) is copied into a new
+directory outside this repository and pytest runs there with nothing but the
+installed package (no path into the repository). A second pair in the same
+file has its NNX side broken on purpose (another dropout rate), so its
+generated tests must fail with the bitwise report and the localizer's
+finding; `--parity-parts` must select parts.
 """
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 
 pytest_plugins = ['pytester']
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = pathlib.Path(__file__).resolve().parents[1] / 'README.md'
 
 BROKEN_PAIR = '''
-import dataclasses, functools
-from models.families import classifier_batch
-from parity.adapter import Pair
-from tests.test_family_classifier import CFG, make_sides
+
+import dataclasses
+
 
 def broken_sides(mesh):
-  linen, _ = make_sides(CFG, mesh)
-  _, nnx_side = make_sides(dataclasses.replace(CFG, dropout_rate=0.2), mesh)
-  return linen, nnx_side
+  linen, nnx_side = make_sides(mesh)
+  other = dataclasses.replace(CFG, dropout_rate=0.2)
+  return linen, dataclasses.replace(
+      nnx_side, create=functools.partial(nnx_classifier.create_train_state, other)
+  )
+
 
 broken = Pair('broken', broken_sides, functools.partial(classifier_batch, CFG))
 '''
 
 
+def readme_example() -> str:
+  text = README.read_text()
+  block = text.split('<!-- plugin-example -->', 1)[1].split('```python\n', 1)[1]
+  return block.split('```', 1)[0]
+
+
 @pytest.fixture
 def user_project(pytester, monkeypatch):
-  monkeypatch.setenv('PYTHONPATH', REPO + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  monkeypatch.delenv('PYTHONPATH', raising=False)  # only the installed package
   monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
-  pytester.makepyfile(test_user_pair=BROKEN_PAIR)
+  pytester.makepyfile(test_classifier_migration=readme_example() + BROKEN_PAIR)
+  assert not str(pytester.path).startswith(str(README.parent))
   return pytester
 
 
 def test_a_declared_pair_becomes_the_battery(user_project):
   result = user_project.runpytest_subprocess('--collect-only', '-q', '-p', 'no:cacheprovider')
   ids = [line for line in result.outlines if '::' in line]
-  assert [i.split('::', 1)[1] for i in ids] == [
+  broken = [i.split('::', 1)[1] for i in ids if '::broken::' in i]
+  assert len(ids) == 2 * len(broken)  # the README's pair and the broken one
+  assert broken == [
       'broken::test_structure', 'broken::test_specs', 'broken::test_grads',
       'broken::test_train[linen]', 'broken::test_train[nnx]', 'broken::test_eval',
       'broken::test_checkpoints[linen->linen]', 'broken::test_checkpoints[linen->nnx]',
@@ -53,7 +68,7 @@ def test_a_declared_pair_becomes_the_battery(user_project):
 
 def test_a_broken_pair_fails_with_the_bitwise_report_and_the_localizer(user_project):
   result = user_project.runpytest_subprocess('--parity-parts=structure,grads', '-p', 'no:cacheprovider')
-  result.assert_outcomes(passed=1, failed=1)
+  result.assert_outcomes(passed=3, failed=1)  # the README's pair passes both parts
   result.stdout.fnmatch_lines([
       '*broken: loss and gradients are not bit-identical*',
       '*params/Dense_0/kernel: bits: float32*max ULP distance*',
