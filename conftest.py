@@ -26,16 +26,30 @@ xla_env.add_flags(
 # of the accelerator's memory and the others none.
 os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
 
-# jax's persistent compilation cache, shared by the xdist workers (they inherit
-# this environment): a program compiled by one test (or worker, or an earlier
-# run) is loaded, not compiled again. The cache is keyed by the program, jax
-# version and flags, so a hit is the same executable, bit for bit. Set
-# JAX_COMPILATION_CACHE_DIR to use another directory.
-os.environ.setdefault(
+# jax's persistent compilation cache: a program compiled by an earlier test of
+# the same worker, or by an earlier run, is loaded, not compiled again. The
+# cache is keyed by the program, jax version and flags, so a hit is the same
+# executable, bit for bit. Set JAX_COMPILATION_CACHE_DIR to use another base.
+# One directory per xdist worker (`main` without xdist) under the base: no two
+# test processes write and read one cache at the same time. With a shared
+# directory a worker crashed twice here in jax's cache read (a segmentation
+# fault deserialising an entry another process had written). Workers inherit
+# the controller's environment, so the base travels in its own variable.
+# Processes a test starts (the notebook's kernel, multi-process runs, the
+# plugin's user project) get directories of their own too (their tests say so).
+_CACHE_BASE = 'PARITY_JAX_CACHE_BASE'
+os.environ.setdefault(_CACHE_BASE, os.environ.get(
     'JAX_COMPILATION_CACHE_DIR',
     os.path.join(tempfile.gettempdir(), f'linen-nnx-parity-jax-cache-{getpass.getuser()}'),
+))
+os.environ['JAX_COMPILATION_CACHE_DIR'] = os.path.join(
+    os.environ[_CACHE_BASE], os.environ.get('PYTEST_XDIST_WORKER', 'main')
 )
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+# A size limit turns on jax's file lock around every cache read and write
+# (jax writes an entry in place, so without it a reader can see half an entry).
+# 8 GiB is far above the suite's use (about 0.1 GiB).
+os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(8 * 2**30))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
 HARDWARE_MARKERS = ('hardware', 'tpu')  # `tpu` is the tier's older name, kept as an alias

@@ -42,6 +42,12 @@ def initialize_from_env() -> bool:
   coordinator, count, index = found
   # CPU collectives between processes (accelerators use their own interconnect).
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  # A precaution: executables compiled under a multi-process runtime are kept
+  # apart from single-process ones in jax's persistent cache (one directory
+  # per process count), so no run ever loads another runtime's executable.
+  cache_dir = jax.config.jax_compilation_cache_dir
+  if cache_dir:
+    jax.config.update('jax_compilation_cache_dir', os.path.join(cache_dir, f'processes-{count}'))
   jax.distributed.initialize(coordinator, num_processes=count, process_id=index)
   return True
 

@@ -49,6 +49,8 @@ def _env():
       f for f in env.get('XLA_FLAGS', '').split() if not f.startswith('--xla_force_host_platform_device_count')
   )
   env['JAX_PLATFORMS'] = 'cpu'
+  # Its own compilation cache, apart from the test workers' (see conftest.py).
+  env['JAX_COMPILATION_CACHE_DIR'] = os.path.join(env['PARITY_JAX_CACHE_BASE'], 'multihost')
   return env
 
 
@@ -257,7 +259,8 @@ def test_no_process_or_port_is_left_after_a_multi_process_jax_run(tmp_path):
       'import jax\n'
       'print(os.getpid(), jax.process_index(), jax.process_count(), jax.device_count(), flush=True)\n'
   )
-  logs = launcher.launch(_script(body), 2, timeout_s=120, stream=False, port=port, log_dir=str(tmp_path))
+  logs = launcher.launch(_script(body), 2, timeout_s=120, stream=False, port=port, log_dir=str(tmp_path),
+                         env=_env())
   lines = [open(log).read().split('\n') for log in logs]
   seen = [next(l for l in ls if l.count(' ') == 3 and l.split()[0].isdigit()).split() for ls in lines]
   assert [s[1:] for s in seen] == [['0', '2', '4'], ['1', '2', '4']]

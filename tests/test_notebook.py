@@ -16,6 +16,7 @@ tests of the suite having compiled them), about 7 s. One xdist group of its own.
 """
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 import time
@@ -77,6 +78,10 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
   # Nothing of the user's Jupyter or IPython set-up (startup files, runtime dir) is used.
   monkeypatch.setenv('IPYTHONDIR', str(tmp_path / 'ipython'))
   monkeypatch.setenv('JUPYTER_RUNTIME_DIR', str(tmp_path / 'runtime'))
+  # The kernel keeps jax's compilation cache apart from the test workers': a
+  # worker that later loaded an entry the kernel had written crashed here
+  # (a segmentation fault in jax's cache read).
+  monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', os.path.join(os.environ['PARITY_JAX_CACHE_BASE'], 'notebook'))
   notebook = nbformat.read(NOTEBOOK, as_version=4)
   client = nbclient.NotebookClient(
       notebook,

@@ -45,6 +45,8 @@ def readme_example() -> str:
 def user_project(pytester, monkeypatch):
   monkeypatch.delenv('PYTHONPATH', raising=False)  # only the installed package
   monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
+  # Its own compilation cache, apart from the test workers' (see conftest.py).
+  monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', os.path.join(os.environ['PARITY_JAX_CACHE_BASE'], 'plugin-user'))
   pytester.makepyfile(test_classifier_migration=readme_example() + BROKEN_PAIR)
   assert not str(pytester.path).startswith(str(README.parent))
   return pytester
