@@ -30,11 +30,11 @@ os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
 # the same worker, or by an earlier run, is loaded, not compiled again. The
 # cache is keyed by the program, jax version and flags, so a hit is the same
 # executable, bit for bit. Set JAX_COMPILATION_CACHE_DIR to use another base.
-# One directory per xdist worker (`main` without xdist) under the base: no two
-# test processes write and read one cache at the same time. With a shared
-# directory a worker crashed twice here in jax's cache read (a segmentation
-# fault deserialising an entry another process had written). Workers inherit
-# the controller's environment, so the base travels in its own variable.
+# One directory per xdist worker (`main` without xdist) under the base, so no
+# two test processes write and read one cache at the same time (hygiene: the
+# worker crashes seen while they shared one turned out to follow the notebook
+# test, see tests/test_notebook.py). Workers inherit the controller's
+# environment, so the base travels in its own variable.
 # Processes a test starts (the notebook's kernel, multi-process runs, the
 # plugin's user project) get directories of their own too (their tests say so).
 _CACHE_BASE = 'PARITY_JAX_CACHE_BASE'

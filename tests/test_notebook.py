@@ -61,9 +61,9 @@ def test_notebook_is_the_script_without_outputs():
 
 # Run in a child process: the Jupyter client leaves threads (zmq, an asyncio
 # loop) behind in the process that executes a notebook, and a pytest worker
-# that had run this test crashed later, in XLA compilation, in 3 of about 6
-# full runs (segmentation faults; the cause is not known). The child writes the
-# executed notebook, which the test reads.
+# that had run this test crashed later (segmentation faults in XLA compilation
+# or in jax's cache read) in 5 of 8 full runs here; the cause is not known.
+# The child writes the executed notebook, which the test reads.
 _EXECUTE = r"""
 import sys
 import nbclient, nbformat
