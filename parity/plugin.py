@@ -15,6 +15,10 @@ under `pytest -n auto --dist loadgroup` one worker compiles each function once.
 
 Options: `--parity-parts=grads,train` runs only those parts;
 `--parity-mesh=data=4` replaces every pair's meshes.
+
+After each test of the session (a pair's or not), a process holding more
+than half of Linux's memory-map limit drops jax's in-memory caches
+(parity/map_limit.py): a long test process otherwise crashes in XLA.
 """
 from __future__ import annotations
 
@@ -63,6 +67,11 @@ def pytest_configure(config):
     unknown = sorted(set(parts.split(',')) - set(PARTS))
     if unknown:
       raise pytest.UsageError(f'--parity-parts: unknown part(s) {unknown}; parts: {", ".join(battery.PARTS)}')
+
+
+def pytest_runtest_teardown(item, nextitem):
+  del item, nextitem
+  importlib.import_module('parity.map_limit').release_programs_near_limit()
 
 
 class _Battery:

@@ -30,8 +30,13 @@ CHECKPOINT_EVERY = 3
 def test_step_times_and_checkpoint_saves_are_timed_apart(tmp_path):
   """12 steps, an Orbax save of both states every 3 steps.
 
-  Bounds: no step is faster than half the median step (the seed's 0.007 s
-  steps were dispatch times, far below any real step); the steps right after
+  Bounds: no step is faster than a tenth of the median step (the seed's
+  0.007 s steps were dispatch times, two orders below its real steps). A
+  busy 2-core machine spreads correctly timed steps over 7-40 ms, so the
+  earlier half-the-median bound failed now and then. On XLA:CPU this tiny
+  step runs within the call, so a clock stopped before the host sync gives
+  nearly the same times (tried: it passes); the bound is for accelerators,
+  where the call returns at dispatch. The steps right after
   a save are not a step plus a save (the seed's 9.285 s step held one):
   their median stays below the median step plus half the median save.
   Structural, exact: no save overlaps any timed step, every save starts
@@ -60,7 +65,7 @@ def test_step_times_and_checkpoint_saves_are_timed_apart(tmp_path):
     assert len(run.step_times) == TIMING_STEPS  # step 0 included
     assert run.compile_s is not None and run.compile_s > 0
     median = statistics.median(run.step_times)
-    assert min(run.step_times) >= 0.5 * median, run.step_times
+    assert min(run.step_times) >= 0.1 * median, run.step_times
     assert run.checkpoint_steps == saved_after
     assert len(run.checkpoint_s) == len(saved_after)
     after_save = [run.step_times[s + 1] for s in saved_after if s + 1 < TIMING_STEPS]
