@@ -186,9 +186,23 @@ def restore_checkpoint(
 
 
 def restore(manager: ocp.CheckpointManager, step: int, side: Any) -> tuple[Any, jax.Array]:
-  """(`side`'s train state in its target shardings, dropout base key) from `step`."""
+  """(`side`'s train state in its target shardings, dropout base key) from `step`.
+
+  Off a mesh the arrays come back placed as a fresh state is: on the default
+  device but not committed to it. Orbax commits them to the device it
+  restores onto, and jit compiles a second program for committed arguments
+  (the same computation, another cache key): resuming would compile every
+  step function again.
+  """
   flat, dropout_base = restore_checkpoint(manager, step, side)
+  if side.mesh is None:
+    flat, dropout_base = _uncommitted((flat, dropout_base))
   return side.from_checkpoint(flat), dropout_base
+
+
+def _uncommitted(tree: Any) -> Any:
+  # jax has no call that uncommits an array; a copy through the host does (exact).
+  return jax.tree.map(lambda x: jax.device_put(np.asarray(x)), tree)
 
 
 def restore_arrays(

@@ -17,7 +17,11 @@ rows of every batch. Measured here (tiny preset, mesh data=2,fsdp=4):
   either side, and the resumed runs end in the same final state bit for bit.
 * A process killed during a save leaves no partial step behind.
 
-All runs share one xdist group: each uses two processes on a 2-core machine.
+The comparisons that share the module's runs are one xdist group, the two
+runs that kill or inspect processes another; the launcher's own tests (small
+commands, no jax) are in none. Split so, the group's longest path is about
+half the module (it was one group: 75-90 s on the critical path of a warm
+suite).
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ import pytest
 
 from parity import launcher
 
-pytestmark = pytest.mark.xdist_group('multihost')
+SHARED_RUNS = pytest.mark.xdist_group('multihost')
+OWN_RUNS = pytest.mark.xdist_group('multihost-own-runs')
 
 MESH = 'data=2,fsdp=4'
 STEPS = 6
@@ -42,15 +47,16 @@ TIMEOUT_S = 300
 LOSS_BOUND_ULP = 2  # measured here: 2 (see the module docstring: the loss all-reduce order)
 
 
-def _env():
+def _env(cache='multihost'):
   env = dict(os.environ)
   # The child processes set their own device count (the mesh's share per process).
   env['XLA_FLAGS'] = ' '.join(
       f for f in env.get('XLA_FLAGS', '').split() if not f.startswith('--xla_force_host_platform_device_count')
   )
   env['JAX_PLATFORMS'] = 'cpu'
-  # Its own compilation cache, apart from the test workers' (see conftest.py).
-  env['JAX_COMPILATION_CACHE_DIR'] = os.path.join(env['PARITY_JAX_CACHE_BASE'], 'multihost')
+  # Its own compilation cache, apart from the test workers' (see conftest.py),
+  # one per xdist group of this module.
+  env['JAX_COMPILATION_CACHE_DIR'] = os.path.join(env['PARITY_JAX_CACHE_BASE'], cache)
   return env
 
 
@@ -83,6 +89,7 @@ def _ulp(a_hex: str, b_hex: str) -> int:
   return int(abs(a - b))
 
 
+@SHARED_RUNS
 def test_two_processes_are_bit_identical_across_sides(runs):
   _, two, _ = runs
   assert two['process_count'] == 2
@@ -91,6 +98,7 @@ def test_two_processes_are_bit_identical_across_sides(runs):
   assert two['num_devices'] == 8
 
 
+@SHARED_RUNS
 def test_two_processes_train_as_one_process_does(runs):
   _, two, one = runs
   assert one['process_count'] == 1 and one['bitwise_equal']
@@ -99,6 +107,7 @@ def test_two_processes_train_as_one_process_does(runs):
   assert max(ulps) <= LOSS_BOUND_ULP, ulps
 
 
+@SHARED_RUNS
 def test_a_two_process_checkpoint_resumes_in_one_process(runs):
   tmp, two, _ = runs
   # The NNX side's checkpoint, restored into both sides: Linen reads NNX's save too.
@@ -107,6 +116,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process(runs):
   assert resumed['final_state_sha256'] == two['final_state_sha256']
 
 
+@SHARED_RUNS
 def test_a_one_process_checkpoint_resumes_in_two_processes(runs):
   tmp, _, one = runs
   resumed = _compare(tmp, 'one_to_two', '--resume-from', str(tmp / 'ck1' / 'linen'),
@@ -115,6 +125,7 @@ def test_a_one_process_checkpoint_resumes_in_two_processes(runs):
   assert resumed['final_state_sha256'] == one['final_state_sha256']
 
 
+@SHARED_RUNS
 def test_convert_reads_a_two_process_checkpoint(runs):
   tmp, _, _ = runs
   done = subprocess.run(
@@ -209,13 +220,14 @@ def _children(pid: int) -> list[int]:
   return [int(p) for p in out.stdout.split()]
 
 
+@OWN_RUNS
 def test_a_process_killed_while_saving_leaves_no_partial_checkpoint(tmp_path):
   """Process 1 is killed after the first committed save, while the next ones are written."""
   ckpt = tmp_path / 'ck'
   argv = [sys.executable, '-m', 'parity', 'compare', '--mesh', MESH, '--steps', '40',
           '--checkpoint-every', '1', '--checkpoint-dir', str(ckpt), '--numbers-only',
           '--processes', '2', '--timeout', str(TIMEOUT_S)]
-  parent = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  parent = subprocess.Popen(argv, env=_env('multihost-own-runs'), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     deadline = time.monotonic() + TIMEOUT_S
     while not (ckpt / 'nnx' / '0').is_dir():  # the first step committed by both sides
@@ -248,6 +260,7 @@ def test_a_process_killed_while_saving_leaves_no_partial_checkpoint(tmp_path):
     manager.close()
 
 
+@OWN_RUNS
 def test_no_process_or_port_is_left_after_a_multi_process_jax_run(tmp_path):
   """Two processes join through the coordinator and exit; its port is free again."""
   port = launcher.free_port()
@@ -260,7 +273,7 @@ def test_no_process_or_port_is_left_after_a_multi_process_jax_run(tmp_path):
       'print(os.getpid(), jax.process_index(), jax.process_count(), jax.device_count(), flush=True)\n'
   )
   logs = launcher.launch(_script(body), 2, timeout_s=120, stream=False, port=port, log_dir=str(tmp_path),
-                         env=_env())
+                         env=_env('multihost-own-runs'))
   lines = [open(log).read().split('\n') for log in logs]
   seen = [next(l for l in ls if l.count(' ') == 3 and l.split()[0].isdigit()).split() for ls in lines]
   assert [s[1:] for s in seen] == [['0', '2', '4'], ['1', '2', '4']]
