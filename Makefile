@@ -12,12 +12,14 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# 4 workers even on 2 cores: XLA:CPU maps memory for every compiled program and
-# a process keeps its programs, so one worker running half the suite passed
-# Linux's default limit of 65,530 memory maps and crashed (segmentation faults
-# in compilation and cache reads); measured here, 26,000 maps a fifth of the way.
+# One xdist worker per core (`-n auto`). XLA:CPU maps memory for every
+# compiled program and a worker keeps its programs: one running half the suite
+# passed Linux's limit of 65,530 memory maps and crashed in XLA. The plugin
+# now drops jax's in-memory caches in a worker past half the limit
+# (parity/map_limit.py), so the worker count is free again; on 2 cores, 2
+# workers were faster than 4 (warm: 147 s against 164 s).
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 4 --hardware-on-cpu
+	$(VENV)/bin/python -m pytest -n auto --hardware-on-cpu
 
 report: $(STAMP)
 	$(VENV)/bin/parity compare
