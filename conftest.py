@@ -26,24 +26,17 @@ xla_env.add_flags(
 # of the accelerator's memory and the others none.
 os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
 
-# jax's persistent compilation cache: a program compiled by an earlier test of
-# the same worker, or by an earlier run, is loaded, not compiled again. The
-# cache is keyed by the program, jax version and flags, so a hit is the same
-# executable, bit for bit. Set JAX_COMPILATION_CACHE_DIR to use another base.
-# The test workers share one directory under the base: xdist sends a group to
-# whichever worker is free, so a directory per worker missed most entries on
-# the next run (measured: a "warm" run took 6 min 25 s against 2 min 44 s
-# shared). jax locks the directory around every read and write (below).
-# Processes a test starts (the notebook's kernel, multi-process runs, the
-# plugin's user project) get directories of their own (their tests say so).
-# Workers inherit the controller's environment, so the base travels in its
-# own variable.
-_CACHE_BASE = 'PARITY_JAX_CACHE_BASE'
-os.environ.setdefault(_CACHE_BASE, os.environ.get(
+# jax's persistent compilation cache, shared by the xdist workers and the
+# processes tests start (they all inherit this environment): a program
+# compiled by one test (or worker, or an earlier run) is loaded, not compiled
+# again. The cache is keyed by the program, jax version and flags, so a hit is
+# the same executable, bit for bit. Set JAX_COMPILATION_CACHE_DIR to use
+# another directory. (One directory per worker, tried once, missed most
+# entries on the next run: xdist sends a group to whichever worker is free.)
+os.environ.setdefault(
     'JAX_COMPILATION_CACHE_DIR',
     os.path.join(tempfile.gettempdir(), f'linen-nnx-parity-jax-cache-{getpass.getuser()}'),
-))
-os.environ['JAX_COMPILATION_CACHE_DIR'] = os.path.join(os.environ[_CACHE_BASE], 'workers')
+)
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 # A size limit turns on jax's file lock around every cache read and write
 # (jax writes an entry in place, so without it a reader can see half an entry).

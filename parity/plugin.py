@@ -27,6 +27,8 @@ import sys
 
 import pytest
 
+from parity import map_limit  # imports no jax
+
 # Nothing here imports jax when pytest loads the plugin: a project's conftest
 # sets XLA flags and jax's environment (compilation cache, platforms) first.
 PARTS = (
@@ -71,7 +73,7 @@ def pytest_configure(config):
 
 def pytest_runtest_teardown(item, nextitem):
   del item, nextitem
-  importlib.import_module('parity.map_limit').release_programs_near_limit()
+  map_limit.release_programs_near_limit()
 
 
 class _Battery:

@@ -13,10 +13,6 @@ pytestmark = pytest.mark.skipif(
 PROGRAMS = 40
 
 
-def _functions():
-  return [jax.jit(lambda x, i=i: jnp.sin(x * i) @ x + i) for i in range(PROGRAMS)]
-
-
 def test_below_the_threshold_nothing_is_released():
   assert map_limit.map_count() < map_limit.map_limit()
   assert not map_limit.release_programs_near_limit(fraction=1.0)
@@ -24,7 +20,7 @@ def test_below_the_threshold_nothing_is_released():
 
 def test_released_programs_are_unmapped_and_compute_the_same_bits():
   x = jnp.linspace(-1.0, 1.0, 64, dtype=jnp.float32).reshape(8, 8)
-  functions = _functions()
+  functions = [jax.jit(lambda x, i=i: jnp.sin(x * i) @ x + i) for i in range(PROGRAMS)]
   before = [f(x) for f in functions]
   jax.block_until_ready(before)
   held = map_limit.map_count()

@@ -16,7 +16,6 @@ tests of the suite having compiled them), about 7 s. One xdist group of its own.
 """
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -96,8 +95,6 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
   # Nothing of the user's Jupyter or IPython set-up (startup files, runtime dir) is used.
   monkeypatch.setenv('IPYTHONDIR', str(tmp_path / 'ipython'))
   monkeypatch.setenv('JUPYTER_RUNTIME_DIR', str(tmp_path / 'runtime'))
-  # The kernel keeps jax's compilation cache apart from the test workers'.
-  monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', os.path.join(os.environ['PARITY_JAX_CACHE_BASE'], 'notebook'))
   executed = tmp_path / 'executed.ipynb'
   start = time.perf_counter()
   done = subprocess.run(

@@ -9,7 +9,6 @@ finding; `--parity-parts` must select parts.
 """
 from __future__ import annotations
 
-import os
 import pathlib
 
 import pytest
@@ -45,8 +44,6 @@ def readme_example() -> str:
 def user_project(pytester, monkeypatch):
   monkeypatch.delenv('PYTHONPATH', raising=False)  # only the installed package
   monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
-  # Its own compilation cache, apart from the test workers' (see conftest.py).
-  monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', os.path.join(os.environ['PARITY_JAX_CACHE_BASE'], 'plugin-user'))
   pytester.makepyfile(test_classifier_migration=readme_example() + BROKEN_PAIR)
   assert not str(pytester.path).startswith(str(README.parent))
   return pytester
