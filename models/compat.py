@@ -83,3 +83,53 @@ def kept_argument_indices(lowered: jax.stages.Lowered, num_leaves: int) -> list[
   lowering = getattr(lowered, '_lowering', None)
   kept = getattr(lowering, 'compile_args', {}).get('kept_var_idx')
   return sorted(kept) if kept is not None else list(range(num_leaves))
+
+
+def cache_compiles_of_every_process() -> bool:
+  """Lets every process of a multi-process run write jax's persistent cache.
+
+  jax writes cache entries from process 0 only (against write contention on
+  shared file systems). On CPU, each process computes its own keys (the
+  topology fingerprint in the key differs per process), so a process other
+  than 0 never finds an entry and compiles every program on every run while
+  process 0, which loaded its programs, waits for it at the first
+  collective. For runs whose processes share one machine (and so one cache
+  directory with jax's file lock) this wraps jax's private `_cache_write` to
+  write from every process, with jax's own checks: no entry for a program
+  with host callbacks or compiled faster than the configured minimum.
+
+  Returns False (and changes nothing) where this jax's `_cache_write` is not
+  the one this was written against: runs are then only slower.
+  """
+  import inspect
+  import warnings
+
+  from jax._src import compilation_cache, compiler, config, distributed
+
+  original = compiler._cache_write
+  if getattr(original, '_parity_every_process', False):
+    return True
+  params = list(inspect.signature(original).parameters)
+  if params[:5] != ['cache_key', 'compile_time_secs', 'module_name', 'backend', 'executable']:
+    return False
+
+  def _cache_write(*args, **kwargs):
+    if distributed.global_state.process_id == 0:
+      return original(*args, **kwargs)
+    bound = inspect.signature(original).bind(*args, **kwargs).arguments
+    if bound.get('host_callbacks'):
+      return None
+    if bound['compile_time_secs'] < config.persistent_cache_min_compile_time_secs.value:
+      return None
+    try:
+      compilation_cache.put_executable_and_time(
+          bound['cache_key'], bound['module_name'], bound['executable'], bound['backend'],
+          int(bound['compile_time_secs']),
+      )
+    except Exception as e:  # as jax does: a failed write costs a compile later, nothing else
+      warnings.warn(f"persistent cache entry for {bound['module_name']!r} not written: {e!r}")
+    return None
+
+  _cache_write._parity_every_process = True
+  compiler._cache_write = _cache_write
+  return True

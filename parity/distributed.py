@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from models import compat
 from parity import launcher
 
 
@@ -48,6 +49,10 @@ def initialize_from_env() -> bool:
   cache_dir = jax.config.jax_compilation_cache_dir
   if cache_dir:
     jax.config.update('jax_compilation_cache_dir', os.path.join(cache_dir, f'processes-{count}'))
+    if coordinator.startswith(launcher.LOOPBACK + ':'):
+      # Every process on this machine, one cache directory: each process
+      # keeps its own compiles (jax keeps process 0's only; see compat).
+      compat.cache_compiles_of_every_process()
   jax.distributed.initialize(coordinator, num_processes=count, process_id=index)
   return True
 

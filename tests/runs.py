@@ -27,6 +27,36 @@ from parity.sides import as_jax_batch, make_sides
 STEPS = 10
 MESH_STEPS = 3
 
+# The mesh matrix. `--full-mesh-matrix`: every scenario on every mesh (44
+# pairs, each about 13 s of compile when nothing is cached). By default (13
+# pairs): the baseline on all four meshes, every scenario on the 3-axis mesh
+# except two whose sharded program another default pair already covers,
+# and gradient accumulation (with dropout) on the seed logs' fsdp=8 too, where
+# tests/test_checkpoints.py trains it.
+MESHES = ('fsdp=8', 'fsdp=4,tensor=2', 'data=2,fsdp=4', 'data=2,fsdp=2,tensor=2')
+THREE_AXES = 'data=2,fsdp=2,tensor=2'
+EXTRA_MESHES = {'01_baseline': MESHES, '06_grad_accum': ('fsdp=8', THREE_AXES)}
+FULL_MATRIX_ONLY = {
+    '03_dropout': 'dropout on a mesh: 06_grad_accum trains with dropout 0.1 on two meshes',
+    '04_remat_save_dots': 'rematerialisation on a mesh: 04_remat',
+}
+
+
+def mesh_cases(full: bool, meshes: tuple[str, ...] = MESHES) -> list[tuple[str, str]]:
+  """(scenario, mesh) pairs the suite trains on a mesh, among `meshes`."""
+  from models.config import SCENARIOS
+
+  cases = []
+  for scenario in sorted(SCENARIOS):
+    if full:
+      chosen = MESHES
+    elif scenario in FULL_MATRIX_ONLY:
+      chosen = ()
+    else:
+      chosen = EXTRA_MESHES.get(scenario, (THREE_AXES,))
+    cases += [(scenario, mesh) for mesh in chosen if mesh in meshes]
+  return cases
+
 
 @functools.cache
 def tiny_run(scenario: str = '01_baseline', init_side: str = 'linen') -> CompareResult:

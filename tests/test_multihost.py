@@ -281,3 +281,47 @@ def test_no_process_or_port_is_left_after_a_multi_process_jax_run(tmp_path):
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind((launcher.LOOPBACK, port))
     s.listen()
+
+
+@OWN_RUNS
+def test_every_process_finds_its_programs_in_the_cache_on_the_next_run(tmp_path):
+  """Process 1 loads its compiled programs on the next run, as process 0 does.
+
+  jax writes the persistent cache from process 0 only, and on CPU each
+  process's keys differ: without models.compat.cache_compiles_of_every_process
+  process 1 compiles every program on every run (measured: a warm 2-process
+  `parity compare` took 18 s, 7.4 s with it).
+  """
+  body = (
+      'import os\n'
+      'os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"\n'
+      'from parity import distributed\n'
+      'assert distributed.initialize_from_env()\n'
+      'import jax, jax.numpy as jnp\n'
+      'hits = []\n'
+      'jax.monitoring.register_event_listener(\n'
+      '    lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)\n'
+      'mesh = jax.make_mesh((4,), ("d",))\n'
+      'x = jax.make_array_from_process_local_data(\n'
+      '    jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")), jnp.ones(2), (4,))\n'
+      'total = jax.jit(lambda v: (v * 3).sum())(x)\n'
+      'print("hits", jax.process_index(), len(hits), float(total), flush=True)\n'
+  )
+  env = _env()
+  env['JAX_COMPILATION_CACHE_DIR'] = str(tmp_path / 'cache')
+
+  def run(name):
+    logs = launcher.launch(_script(body), 2, timeout_s=120, stream=False, log_dir=str(tmp_path / name), env=env)
+    found = []
+    for log in logs:
+      line = next(l for l in open(log).read().split('\n') if l.startswith('hits '))
+      found.append(line.split()[1:])
+    return found
+
+  (tmp_path / 'first').mkdir()
+  (tmp_path / 'second').mkdir()
+  first = run('first')
+  assert [f[2] for f in first] == ['12.0', '12.0']
+  second = run('second')
+  assert [f[0] for f in second] == ['0', '1']
+  assert all(int(f[1]) >= 1 for f in second), f'cache hits per process on the second run: {second}'

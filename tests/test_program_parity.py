@@ -1,7 +1,8 @@
 """The same program, not only the same numbers: memory and canonical programs per scenario.
 
-For every scenario, on one device and on the 3-axis mesh, XLA's memory
-analysis of the two compiled train steps (argument, output, temporary,
+For every scenario on one device, and on the 3-axis mesh for the scenarios
+the suite trains there (`tests.runs.mesh_cases`; every one with
+`--full-mesh-matrix`), XLA's memory analysis of the two compiled train steps (argument, output, temporary,
 aliased and peak bytes) is equal to the byte, and the canonical programs are
 identical except for the allowed differences (`parity.programs.ALLOWED`,
 today only the step counter's dtype). `10_scan_axis0` stores the NNX layers
@@ -15,14 +16,19 @@ import pytest
 from bridge.layout import layout_for
 from models.config import SCENARIOS, get_configs
 from parity import programs, runner
-from tests.runs import mesh_run, tiny_run
+from tests.runs import THREE_AXES, mesh_cases, mesh_run, tiny_run
 
-THREE_AXES = 'data=2,fsdp=2,tensor=2'
 SAME_LAYOUT = [s for s in sorted(SCENARIOS) if not layout_for(get_configs('tiny', s)[0]).moves]
 ALLOWED = [a.name for a in programs.ALLOWED]
 
 
 PROGRAM_CASES = SAME_LAYOUT
+
+
+def pytest_generate_tests(metafunc):
+  if metafunc.function.__name__.endswith('_on_the_three_axis_mesh'):
+    full = metafunc.config.getoption('--full-mesh-matrix')
+    metafunc.parametrize('scenario', [s for s, _ in mesh_cases(full, (THREE_AXES,)) if s in SAME_LAYOUT])
 
 
 def _check_memory(memory: tuple[dict, dict]) -> None:
@@ -41,7 +47,6 @@ def test_memory_equal_on_one_device(scenario):
   _check_memory((result.linen.memory, result.nnx.memory))
 
 
-@pytest.mark.parametrize('scenario', SAME_LAYOUT)
 def test_memory_equal_on_the_three_axis_mesh(scenario):
   _check_memory(mesh_run(scenario, THREE_AXES).memory)
 
@@ -51,7 +56,6 @@ def test_program_identical_on_one_device(scenario):
   _check_program(tiny_run(scenario).program_diff)
 
 
-@pytest.mark.parametrize('scenario', PROGRAM_CASES)
 def test_program_identical_on_the_three_axis_mesh(scenario):
   _check_program(mesh_run(scenario, THREE_AXES).program_diff)
 
