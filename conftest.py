@@ -57,8 +57,9 @@ def pytest_addoption(parser):
   )
   group.addoption(
       '--full-mesh-matrix', action='store_true', default=False,
-      help='train every scenario on every mesh (default: every scenario on the 3-axis'
-           ' mesh, and baseline, dropout and gradient accumulation on every mesh)',
+      help='train every scenario on every mesh (default: tests/runs.py mesh_cases: the'
+           ' baseline on every mesh, the others on the 3-axis mesh but two, gradient'
+           ' accumulation on fsdp=8 too)',
   )
 
 

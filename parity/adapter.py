@@ -57,6 +57,13 @@ class Side(Protocol):
   def param_specs(self) -> dict[str, tuple[str | None, ...]]:
     """`{checkpoint path of a parameter: logical axis names}` (`()`: none declared)."""
 
+  def train_step_function(self) -> Callable[..., Any]:
+    """The traceable train step `(state, batch, dropout_base) -> (state, metrics)`.
+
+    The activation-spec check traces it (`jax.make_jaxpr`, nothing compiled
+    or run) to read every activation constraint's logical names.
+    """
+
   def lower_train_step(self, state: Any, batch: Any, dropout_base: Any) -> jax.stages.Lowered:
     """The train step lowered for these (possibly abstract) arguments."""
 
@@ -118,6 +125,7 @@ class Pair:
   one device); `batch(step, split)` gives a batch of numpy arrays for
   'train' or 'eval'. `meshes` are the mesh specs ('data=8', ...) the
   sharded part runs on. `steps` is the length of the training runs.
+  `rules`: the logical axis rules of the model's activation constraints.
   """
 
   name: str
@@ -130,6 +138,10 @@ class Pair:
   seed: int = 0
   parts: Sequence[str] | None = None  # the battery's parts for this pair (None: all)
   group: str | None = None  # xdist group of its tests (default: parity-<name>)
+  # The logical axis rules the model's activation constraints are written
+  # against (`nn.with_logical_constraint` names); None: the Linen side's
+  # `rules` if it has them, else the decoder's (bridge.specs.DEFAULT_RULES).
+  rules: Sequence[tuple[str, Any]] | None = None
 
   def program_difference(self) -> KnownDifference | None:
     return next((d for d in self.known_differences if 'program' in d.passes), None)

@@ -17,7 +17,7 @@ import jax
 from bridge import paths
 from bridge import specs as specs_lib
 from models import rng
-from parity import adapter, bitwise, checkpoints, localize, programs, runner
+from parity import activations, adapter, bitwise, checkpoints, localize, programs, runner
 
 from parity.plugin import DIRECTIONS, PARTS  # noqa: F401  (jax-free constants)
 
@@ -122,9 +122,32 @@ def check_structure(pair: adapter.Pair) -> None:
   )
 
 
-def check_specs(pair: adapter.Pair) -> None:
-  linen, nnx_side = _runs(pair).sides()
+def check_specs(pair: adapter.Pair) -> list[str]:
+  """Logical specs of the parameters, and of every activation constraint of the train steps.
+
+  The activation constraints are read from each side's traced train step
+  (parity/activations.py: traced under a mesh named by the rules' logical
+  names, so each constraint spells the names it was given): the same
+  number, in the same program order and control flow, with the same shapes,
+  dtypes and logical names. The model methods applying them may be named
+  differently on each side. Returns a line saying how many were compared.
+  """
+  runs = _runs(pair)
+  linen, nnx_side = runs.sides()
   specs_lib.check_no_drift(linen.param_specs(), nnx_side.param_specs(), f'{pair.name} parameters')
+  rules = pair.rules if pair.rules is not None else getattr(linen, 'rules', specs_lib.DEFAULT_RULES)
+  start = runs.start('linen')
+  tables = [
+      activations.rows(side, side.from_checkpoint(start), runs.batch(0), runs.dropout_base(), tuple(rules))
+      for side in (linen, nnx_side)
+  ]
+  problems = activations.drift(*tables, sites=False)
+  if problems:
+    raise AssertionError(
+        f'{pair.name}: activation constraints differ ({len(tables[0])} in Linen\'s train step,'
+        f' {len(tables[1])} in NNX\'s):\n  ' + '\n  '.join(problems[:50])
+    )
+  return [f'activation constraints: {len(tables[0])} per train step, the same logical names on both sides']
 
 
 def check_grads(pair: adapter.Pair) -> list[str]:

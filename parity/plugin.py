@@ -84,8 +84,8 @@ class _Battery:
   def test_structure(self):
     battery.check_structure(self.pair)
 
-  def test_specs(self):
-    battery.check_specs(self.pair)
+  def test_specs(self, record_property):
+    record_property('activation_specs', battery.check_specs(self.pair))
 
   def test_grads(self, record_property):
     record_property('declared_differences', battery.check_grads(self.pair))

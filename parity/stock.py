@@ -86,6 +86,9 @@ class _Stock:
     with self._context():
       return self._value_and_grads(state, batch, dropout_key)
 
+  def train_step_function(self):
+    return self._train_step
+
   def lower_train_step(self, state, batch, dropout_base) -> jax.stages.Lowered:
     with self._context():
       return self._train_step.lower(state, batch, dropout_base)

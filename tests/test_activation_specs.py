@@ -62,3 +62,39 @@ def test_drift_names_the_site_and_both_names():
       "#3 DecoderLayer.__call__ (jit/scan): logical Linen ('activation_batch',None,"
       "'activation_embed') vs NNX ('activation_batch',None,'activation_mlp')"
   )
+
+
+@pytest.mark.xdist_group('01_baseline')  # its sides and start are that scenario's
+def test_the_battery_names_a_constraint_renamed_on_one_side(monkeypatch):
+  """The plugin's specs part reads activation constraints too (parity.battery.check_specs).
+
+  The NNX decoder's residual stream constrained by `activation_mlp` instead
+  of `activation_embed`: no number changes, and under the default rules no
+  mesh axis either; the battery names the constraint and both names.
+  """
+  import dataclasses
+
+  from models import data
+  from models.nnx import decoder as nnx_decoder
+  from parity import battery
+  from parity.adapter import Pair
+
+  def pair(name, model_cfg, train_cfg):
+    return Pair(
+        name,
+        lambda mesh: make_sides(model_cfg, train_cfg, mesh),
+        lambda step, split='train': data.make_batch(model_cfg, train_cfg, step=step, split=split),
+    )
+
+  model_cfg, train_cfg = get_configs('tiny', '01_baseline')
+  (line,) = battery.check_specs(pair('decoder_constraints', model_cfg, train_cfg))
+  assert line.startswith('activation constraints: ') and not line.startswith('activation constraints: 0 ')
+  renamed = tuple('activation_mlp' if n == 'activation_embed' else n for n in nnx_decoder.EMBED_AXES)
+  monkeypatch.setattr(nnx_decoder, 'EMBED_AXES', renamed)
+  # Sides of their own (one layer), traced after the change.
+  broken = pair('decoder_renamed_constraint', dataclasses.replace(model_cfg, num_layers=1), train_cfg)
+  with pytest.raises(AssertionError) as info:
+    battery.check_specs(broken)
+  message = str(info.value)
+  assert 'decoder_renamed_constraint: activation constraints differ' in message
+  assert "'activation_embed'" in message and "'activation_mlp'" in message
