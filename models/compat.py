@@ -109,14 +109,14 @@ def cache_compiles_of_every_process() -> bool:
   original = compiler._cache_write
   if getattr(original, '_parity_every_process', False):
     return True
-  params = list(inspect.signature(original).parameters)
-  if params[:5] != ['cache_key', 'compile_time_secs', 'module_name', 'backend', 'executable']:
+  signature = inspect.signature(original)
+  if list(signature.parameters)[:5] != ['cache_key', 'compile_time_secs', 'module_name', 'backend', 'executable']:
     return False
 
   def _cache_write(*args, **kwargs):
     if distributed.global_state.process_id == 0:
       return original(*args, **kwargs)
-    bound = inspect.signature(original).bind(*args, **kwargs).arguments
+    bound = signature.bind(*args, **kwargs).arguments
     if bound.get('host_callbacks'):
       return None
     if bound['compile_time_secs'] < config.persistent_cache_min_compile_time_secs.value:

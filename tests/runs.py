@@ -18,7 +18,7 @@ import jax
 from bridge import specs
 from bridge import train_state as bridge_state
 from models import data, rng
-from models.config import ModelConfig, TrainConfig, get_configs
+from models.config import SCENARIOS, ModelConfig, TrainConfig, get_configs
 from parity import programs, runner
 from parity.programs import sharding_annotations
 from parity.runner import CompareResult, run_compare
@@ -44,8 +44,6 @@ FULL_MATRIX_ONLY = {
 
 def mesh_cases(full: bool, meshes: tuple[str, ...] = MESHES) -> list[tuple[str, str]]:
   """(scenario, mesh) pairs the suite trains on a mesh, among `meshes`."""
-  from models.config import SCENARIOS
-
   cases = []
   for scenario in sorted(SCENARIOS):
     if full:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -313,15 +314,14 @@ def test_every_process_finds_its_programs_in_the_cache_on_the_next_run(tmp_path)
   env['JAX_COMPILATION_CACHE_DIR'] = str(tmp_path / 'cache')
 
   def run(name):
+    (tmp_path / name).mkdir()
     logs = launcher.launch(_script(body), 2, timeout_s=120, stream=False, log_dir=str(tmp_path / name), env=env)
     found = []
     for log in logs:
-      line = next(l for l in open(log).read().split('\n') if l.startswith('hits '))
+      line = next(l for l in pathlib.Path(log).read_text().split('\n') if l.startswith('hits '))
       found.append(line.split()[1:])
     return found
 
-  (tmp_path / 'first').mkdir()
-  (tmp_path / 'second').mkdir()
   first = run('first')
   assert [f[2] for f in first] == ['12.0', '12.0']
   second = run('second')
