@@ -13,6 +13,7 @@ import tempfile
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 
 from bridge import paths
 from bridge import specs as specs_lib
@@ -62,17 +63,33 @@ class _Runs:
     return losses, side.to_checkpoint(state), state
 
   @functools.cache
-  def probe(self, side_name: str) -> adapter.Probe:
-    side = self.side(side_name)
-    state = side.from_checkpoint(self.start('linen'))
-    return side.probe(state, self.batch(0), rng.step_key(self.dropout_base(), 0, 0))
+  def linen_state_before(self, step: int, init_side: str = 'linen') -> dict[str, Any]:
+    """The Linen side's state (checkpoint layout) after `step` train steps from `init_side`'s init."""
+    if step == 0:
+      return self.start(init_side)
+    side = self.side('linen')
+    state = side.from_checkpoint(self.start(init_side))
+    for s in range(step):
+      state, _ = side.train_step(state, self.batch(s), self.dropout_base())
+    return side.to_checkpoint(state)
 
-  def localization_lines(self) -> list[str]:
+  @functools.cache
+  def probe(self, side_name: str, step: int = 0, init_side: str = 'linen') -> adapter.Probe:
+    """`side_name`'s probe of train step `step`, from the Linen state before it."""
+    side = self.side(side_name)
+    state = side.from_checkpoint(self.linen_state_before(step, init_side))
+    return side.probe(state, self.batch(step), rng.step_key(self.dropout_base(), step, 0))
+
+  def localization_lines(self, step: int = 0, init_side: str = 'linen') -> list[str]:
     try:
-      result = localize.localize(self.probe('linen'), self.probe('nnx'))
+      result = localize.localize(self.probe('linen', step, init_side), self.probe('nnx', step, init_side))
     except Exception as e:  # the localizer must never hide the failure it explains
       return [f'localizer failed: {type(e).__name__}: {e}']
-    return result.lines()
+    lines = result.lines()
+    if result.first(step) is None:
+      lines.append('both passes are bitwise from the same state: the difference is in what the'
+                   ' step does with the gradients (optimizer update, state collections)')
+    return lines
 
   @functools.cache
   def compiled(self, side_name: str) -> runner.CompiledStep:
@@ -109,9 +126,23 @@ def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping
   return seen
 
 
-def _with_localization(pair: adapter.Pair, error: AssertionError) -> AssertionError:
-  lines = _runs(pair).localization_lines()
-  return AssertionError(f'{error}\nlocalizer (step 0, train mode):\n  ' + '\n  '.join(lines))
+def _with_localization(
+    pair: adapter.Pair, error: AssertionError, step: int = 0, init_side: str = 'linen'
+) -> AssertionError:
+  lines = _runs(pair).localization_lines(step, init_side)
+  return AssertionError(f'{error}\nlocalizer (step {step}, train mode):\n  ' + '\n  '.join(lines))
+
+
+def first_divergent_step(a: list[Any], b: list[Any]) -> int:
+  """The first step whose losses differ in their bits; the last step when none do.
+
+  (Equal losses and an unequal final state: the last step's update differs,
+  or an earlier one's without reaching a later loss.)
+  """
+  for step, (x, y) in enumerate(zip(a, b)):
+    if not np.array_equal(bitwise.raw_bits(x), bitwise.raw_bits(y)):
+      return step
+  return len(a) - 1
 
 
 def check_structure(pair: adapter.Pair) -> None:
@@ -172,7 +203,7 @@ def check_train(pair: adapter.Pair, init_side: str) -> list[str]:
     return compare(pair, 'train', {**losses(la), **fa}, {**losses(lb), **fb},
                    f'{pair.steps} train steps from {init_side} init (losses, final state)')
   except AssertionError as e:
-    raise _with_localization(pair, e) from None
+    raise _with_localization(pair, e, first_divergent_step(la, lb), init_side) from None
 
 
 def check_eval(pair: adapter.Pair) -> list[str]:

@@ -194,3 +194,45 @@ def test_the_stock_attention_difference_is_named_with_its_pass():
       'layers/MultiHeadDotProductAttention_0', 0, 'forward'
   )
   assert 0 < first['max_ulp'] <= family.STOCK_ATTENTION.max_ulp
+
+
+# ---------------------------------------------------------------------------
+# In the battery's failure report: the localizer runs the first divergent step.
+
+
+def test_a_training_divergence_is_localized_at_its_first_divergent_step():
+  """The NNX classifier with twice the learning rate: step 0's loss is equal, step 1's is not.
+
+  The report localizes step 1, both sides from the Linen state before it.
+  Both passes are bitwise there, so it says the update differs, rather than
+  localizing step 0, where nothing differs yet.
+  """
+  from parity import battery
+  from parity.adapter import Pair
+  from tests import test_family_classifier as family
+
+  def make_sides(mesh):
+    linen, _ = family.make_sides(family.CFG, mesh)
+    _, nnx_side = family.make_sides(dataclasses.replace(family.CFG, learning_rate=2e-2), mesh)
+    return linen, nnx_side
+
+  pair = Pair('broken_update', make_sides, family.classifier.batch, steps=3)
+  with pytest.raises(AssertionError) as e:
+    battery.check_train(pair, 'linen')
+  message = str(e.value)
+  assert 'loss/step_0' not in message and 'loss/step_1' in message
+  assert 'localizer (step 1, train mode):' in message
+  assert 'forward pass: every module output bitwise equal' in message
+  assert 'the difference is in what the step does with the gradients' in message
+
+
+def test_the_first_divergent_step_is_the_first_loss_whose_bits_differ():
+  from parity.battery import first_divergent_step
+
+  ones = [jnp.float32(1.0)] * 3
+  assert first_divergent_step(ones, [jnp.float32(1.0), jnp.float32(1.0000001), jnp.float32(2.0)]) == 1
+  assert first_divergent_step(ones, [jnp.float32(1.0), jnp.float32(1.0), jnp.float32(-1.0)]) == 2
+  # Equal losses, unequal final state: the last step.
+  assert first_divergent_step(ones, list(ones)) == 2
+  # -0.0 and 0.0 compare equal as numbers, not as bits.
+  assert first_divergent_step([jnp.float32(0.0)], [jnp.float32(-0.0)]) == 0
