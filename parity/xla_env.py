@@ -30,8 +30,8 @@ EPYC, jax 0.10.2; a tiny-preset train step compiles in 2.9 s by default):
 
 * `--xla_backend_optimization_level=0` (LLVM unoptimised): 1.5 s, and the
   same optimised HLO and memory analysis as a default compile. A cold suite
-  took 333 s instead of 499 s, but a warm one 161 s instead of about 120 s
-  (the unoptimised code runs slower), and the loss bits change, so the
+  took 333 s instead of 499 s, but a warm one 161 s instead of 116 s (the
+  unoptimised code runs slower), and the loss bits change, so the
   golden records would too. It also splits two programs that are bitwise
   equal under the default code generation: the `full` and `save_dots` remat
   policies differ from step 2 (test_scenarios.test_remat_policies_agree).
@@ -39,8 +39,8 @@ EPYC, jax 0.10.2; a tiny-preset train step compiles in 2.9 s by default):
   0.5 s, a cold suite in 219 s. These emitters change XLA's fusion, and the
   encoder family, whose two stock layer norms lower to different HLO, then
   rounds its loss otherwise on the two sides from step 2 or 3, counted
-  from 0, by 1 ULP (bitwise under the default code generation). The reference decoder's sides
-  stayed bitwise under both settings.
+  from 0, by 1 ULP (bitwise under the default code generation). The
+  reference decoder's sides stayed bitwise under both settings.
 """
 from __future__ import annotations
 
