@@ -2,8 +2,10 @@
 
 A path is the '/'-joined sequence of dict keys, attribute names and sequence
 indices, e.g. `decoder/layers/mlp/wi_0/kernel` or `1/0/mu/params/decoder/...`.
-NNX Variables count as leaves (their value is taken), so Linen dicts, NNX
-States and optax states all flatten the same way.
+NNX Variables and Linen's metadata boxes (`nn.with_logical_partitioning`
+parameters, and the optimizer moments optax builds from them) count as
+leaves, their value taken, so Linen dicts, boxed or not, NNX States and optax
+states all flatten the same way.
 """
 from __future__ import annotations
 
@@ -12,13 +14,15 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 from flax import nnx
+from flax.core import meta
 
 from bridge.errors import Problem, TreeMismatchError
 from models import compat
 
 
 def _is_variable(x: Any) -> bool:
-  return isinstance(x, nnx.Variable)
+  """An NNX Variable or a Linen metadata box: a leaf whose value is its array."""
+  return isinstance(x, (nnx.Variable, meta.AxisMetadata))
 
 
 def _path_str(path: tuple[Any, ...]) -> str:
@@ -32,7 +36,13 @@ def items(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple
 
 
 def _value(leaf: Any) -> Any:
-  return leaf.get_value() if _is_variable(leaf) else leaf
+  if isinstance(leaf, nnx.Variable):
+    return leaf.get_value()
+  if isinstance(leaf, meta.Partitioned):
+    return leaf.value  # not unbox(): that would also constrain it under a mesh
+  if isinstance(leaf, meta.AxisMetadata):
+    return leaf.unbox()
+  return leaf
 
 
 def flatten(tree: Any) -> dict[str, Any]:
@@ -70,16 +80,18 @@ def check_leaves(
 def fill(what: str, template: Any, flat: Mapping[str, Any]) -> Any:
   """`template` with every leaf replaced by `flat[path]`, strictly.
 
-  The template may hold arrays, ShapeDtypeStructs or NNX Variables (whose
-  type and metadata are kept). Paths, shapes and dtypes must all match:
+  The template may hold arrays, ShapeDtypeStructs, NNX Variables or Linen
+  metadata boxes (whose type and metadata are kept). Paths, shapes and dtypes must all match:
   nothing is cast, broadcast or dropped.
   """
   check_leaves(what, flatten(template), flat)
 
   def replace(path, leaf):
     value = flat[_path_str(path)]
-    if _is_variable(leaf):
+    if isinstance(leaf, nnx.Variable):
       return compat.nnx_variable_with_value(leaf, value)
+    if isinstance(leaf, meta.AxisMetadata):
+      return leaf.replace_boxed(value)
     return value
 
   return jax.tree_util.tree_map_with_path(replace, template, is_leaf=_is_variable)

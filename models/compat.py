@@ -21,7 +21,13 @@ def nnx_param(value: jax.Array, logical_axes: Sequence[str | None]) -> nnx.Param
   Eager sharding is off: placement is decided once, by the jitted
   initialiser's output shardings (bridge.shardings), on both sides alike.
   """
-  return nnx.Param(value, out_sharding=tuple(logical_axes), eager_sharding=False)
+  return nnx.Param(value, **nnx_axes_metadata(logical_axes))
+
+
+def nnx_axes_metadata(logical_axes: Sequence[str | None]) -> dict[str, Any]:
+  """Variable metadata naming a parameter's logical axes, for stock layers'
+  `kernel_metadata=` and the like; eager sharding off, as in `nnx_param`."""
+  return {'out_sharding': tuple(logical_axes), 'eager_sharding': False}
 
 
 def nnx_logical_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:

@@ -49,6 +49,35 @@ class EncoderConfig:
   nnx_attention: str = 'linen'
 
 
+# The encoder's parameters carry logical axis names (Linen
+# `nn.with_logical_partitioning`, NNX `out_sharding` metadata), resolved on a
+# mesh by ENCODER_RULES: attention heads, the MLP's hidden units and the
+# vocabulary over `tensor`, the batch over `data`.
+# The attention projections are named by their leading axes only. Linen's
+# stock DenseGeneral initialises a kernel (bias) flattened to 2-D (1-D) and
+# reshapes it after, keeping the box's names; under a mesh it applies them to
+# the flat value first, so names for the full rank fail there (flax issue
+# #3892). Names of the leading axes hold for both shapes; NNX takes the same.
+ENCODER_AXES: dict[str, tuple[str | None, ...]] = {
+    'embedding': ('vocab', 'embed'),
+    'norm': ('embed',),
+    'qkv_kernel': ('embed', 'heads'),  # [embed, heads, head_dim]; 2-D init [embed, heads * head_dim]
+    'qkv_bias': ('heads',),  # [heads, head_dim]
+    'out_kernel': ('heads',),  # [heads, head_dim, embed]; 2-D init [heads * head_dim, embed]
+    'out_bias': ('embed',),
+    'mlp_in_kernel': ('embed', 'mlp'),
+    'mlp_in_bias': ('mlp',),
+    'mlp_out_kernel': ('mlp', 'embed'),
+    'mlp_out_bias': ('embed',),
+    'head_kernel': ('embed', 'classes'),
+    'head_bias': ('classes',),
+}
+ENCODER_RULES: tuple[tuple[str, str | None], ...] = (
+    ('batch', 'data'), ('vocab', 'tensor'), ('heads', 'tensor'), ('mlp', 'tensor'),
+    ('embed', None), ('classes', None),
+)
+
+
 def classifier_batch(cfg: ClassifierConfig, step: int, split: str = 'train') -> dict[str, np.ndarray]:
   """{images: float32 [B, H, W, C], labels: int32 [B]}, a pure function of (seed, split, step)."""
   rng = np.random.default_rng([cfg.seed, {'train': 0, 'eval': 1}[split], step])

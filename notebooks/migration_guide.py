@@ -865,7 +865,8 @@ assert specs.physical_spec(('embed_vocab', 'vocab'), my_rules, mesh_sizes) != \
 # level of a test file, and pytest generates every check of this guide for
 # them: structure and logical specs, loss and gradients bitwise, training from
 # each side's init, eval, Orbax checkpoints in four directions, resume across
-# sides, data-parallel training on the CPU devices, memory and program
+# sides, sharded training on meshes of the CPU devices (data parallel, or by
+# your parameters' logical axes with `rules=`), memory and program
 # parity, and the divergence localizer, whose finding is appended to a failing
 # gradient or training test (which module, forward or backward). Stock train
 # states need only your own functions:
@@ -889,7 +890,8 @@ assert specs.physical_spec(('embed_vocab', 'vocab'), my_rules, mesh_sizes) != \
 # the generated tests and the options; `tests/test_family_classifier.py` and
 # `tests/test_family_encoder.py` are two worked examples built from flax's
 # stock layers (batch norm and dropout; attention, with a difference inherent
-# to the stock layers declared and bounded). The reference decoder itself is
+# to the stock layers declared and bounded, and tensor parallel by its
+# parameters' logical axes). The reference decoder itself is
 # declared the same way, per scenario, in `tests/test_decoder_pairs.py`.
 #
 # **Lower-level helpers** for checks of your own:

@@ -125,7 +125,9 @@ class Pair:
   one device); `batch(step, split)` gives a batch of numpy arrays for
   'train' or 'eval'. `meshes` are the mesh specs ('data=8', ...) the
   sharded part runs on. `steps` is the length of the training runs.
-  `rules`: the logical axis rules of the model's activation constraints.
+  `rules`: the logical axis rules of the model's parameters and activation
+  constraints; on each mesh every parameter must sit where the rules put
+  its logical axes (the sides shard by them: parity/stock.py takes `rules=`).
   """
 
   name: str
@@ -138,9 +140,10 @@ class Pair:
   seed: int = 0
   parts: Sequence[str] | None = None  # the battery's parts for this pair (None: all)
   group: str | None = None  # xdist group of its tests (default: parity-<name>)
-  # The logical axis rules the model's activation constraints are written
-  # against (`nn.with_logical_constraint` names); None: the Linen side's
-  # `rules` if it has them, else the decoder's (bridge.specs.DEFAULT_RULES).
+  # The logical axis rules the model's annotations are written against
+  # (`nn.with_logical_partitioning`, `nn.with_logical_constraint` names); None:
+  # the Linen side's `rules` if it has them, else, for activation constraints,
+  # the decoder's (bridge.specs.DEFAULT_RULES), and for parameters none (replicated).
   rules: Sequence[tuple[str, Any]] | None = None
 
   def program_difference(self) -> KnownDifference | None:

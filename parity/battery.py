@@ -12,6 +12,7 @@ import functools
 import tempfile
 from typing import Any, Mapping
 
+import flax.linen as nn
 import jax
 import numpy as np
 
@@ -166,7 +167,7 @@ def check_specs(pair: adapter.Pair) -> list[str]:
   runs = _runs(pair)
   linen, nnx_side = runs.sides()
   specs_lib.check_no_drift(linen.param_specs(), nnx_side.param_specs(), f'{pair.name} parameters')
-  rules = pair.rules if pair.rules is not None else getattr(linen, 'rules', specs_lib.DEFAULT_RULES)
+  rules = pair.rules if pair.rules is not None else (getattr(linen, 'rules', None) or specs_lib.DEFAULT_RULES)
   start = runs.start('linen')
   tables = [
       activations.rows(side, side.from_checkpoint(start), runs.batch(0), runs.dropout_base(), tuple(rules))
@@ -272,6 +273,11 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
   drift = [f'{p}: linen {shardings[0][p]} vs nnx {shardings[1].get(p)}'
            for p in shardings[0] if shardings[0][p] != shardings[1].get(p)]
   assert not drift, f'{pair.name}: final state shardings differ on {mesh_spec}:\n  ' + '\n  '.join(drift)
+  off = [line for side, s in ((linen, sa), (nnx_side, sb)) for line in _off_their_rules(pair, side, s)]
+  assert not off, (
+      f'{pair.name}: parameters not where their logical axes and the rules put them on'
+      f' {mesh_spec}:\n  ' + '\n  '.join(off[:50])
+  )
   batch = runs.batch(0, mesh_spec=mesh_spec)
   texts = [
       side.lower_train_step(side.from_checkpoint(runs.start('linen', mesh_spec)), batch, runs.dropout_base()).as_text()
@@ -283,6 +289,25 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
       f' only linen {dict(a - b)}, only nnx {dict(b - a)}'
   )
   return seen
+
+
+def _off_their_rules(pair: adapter.Pair, side: adapter.Side, state: Any) -> list[str]:
+  """Each parameter whose sharding is not what the rules give for its logical axes.
+
+  Catches a side that replicates (or shards otherwise) what its annotations
+  say to shard, even when the other side does the same.
+  """
+  rules = pair.rules if pair.rules is not None else (getattr(side, 'rules', None) or ())
+  rules = [tuple(r) for r in rules]
+  flat = side.to_checkpoint(state)
+  lines = []
+  for path, names in side.param_specs().items():
+    actual = flat[path].sharding
+    target = nn.logical_to_mesh_sharding(jax.sharding.PartitionSpec(*names), side.mesh, rules)
+    if specs_lib.sharding_drift({path: target}, {path: actual}, {path: np.ndim(flat[path])}):
+      lines.append(f'{side.name} {path}: {specs_lib.describe_sharding(actual)}; its logical axes'
+                   f' {names} give {specs_lib.describe_sharding(target)}')
+  return lines
 
 
 def check_memory(pair: adapter.Pair) -> None:

@@ -9,8 +9,14 @@ conventions (the NNX objects are split into a graphdef and a pure state
 once, and merged inside each compiled call) and map states to the
 checkpoint layout through bridge/stock.py.
 
-On a mesh the state is replicated and each batch is split along its first
-axis over the pair's batch axis (data parallel).
+On a mesh each batch is split along its first axis over the pair's batch
+axis. The state is replicated (data parallel), unless the side is given
+logical axis `rules`: then every state leaf whose parameter carries logical
+axis names (Linen `nn.with_logical_partitioning`, NNX `out_sharding`
+metadata; optimizer moments inherit them on both sides) is sharded as the
+rules resolve them, in each framework's own idiom (`nn.get_partition_spec`,
+`nnx.get_partition_spec`), and the steps are traced under the mesh and the
+rules, so `nn.with_logical_constraint` on activations applies too.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from typing import Any, Callable, Mapping
 import flax.linen as nn
 import jax
 from flax import nnx
+from flax.core import meta
 
 from bridge import paths
 from bridge import stock as bridge_stock
@@ -39,10 +46,16 @@ class _Stock:
 
   mesh: jax.sharding.Mesh | None
   batch_axis: str
+  rules: tuple[tuple[str, Any], ...] | None
 
   @functools.cached_property
   def state_shardings(self) -> Any:
-    return None if self.mesh is None else _replicated(self.mesh, self.template)
+    """The state's target shardings (a prefix of the state's tree); None off a mesh."""
+    if self.mesh is None:
+      return None
+    if self.rules is None:
+      return _replicated(self.mesh, self.template)
+    return nn.logical_to_mesh_sharding(self._logical_specs(), self.mesh, [tuple(r) for r in self.rules])
 
   def batch_sharding(self) -> Any:
     if self.mesh is None:
@@ -93,8 +106,14 @@ class _Stock:
     with self._context():
       return self._train_step.lower(state, batch, dropout_base)
 
+  @contextlib.contextmanager
   def _context(self):
-    return contextlib.nullcontext() if self.mesh is None else compat.use_mesh(self.mesh)
+    """The mesh (and the rules, if given) while tracing; nothing off a mesh."""
+    if self.mesh is None:
+      yield
+      return
+    with compat.use_mesh(self.mesh), nn.logical_axis_rules([tuple(r) for r in self.rules or ()]):
+      yield
 
   def argument_names(self, lowered, state, batch, dropout_base) -> list[str]:
     return adapter.step_argument_names(lowered, state, batch, self._checkpoint_leaves)
@@ -116,17 +135,30 @@ class StockLinen(_Stock):
   has_aux: bool = False
   mesh: jax.sharding.Mesh | None = None
   batch_axis: str = 'data'
+  rules: tuple[tuple[str, Any], ...] | None = None  # logical axis rules (None: replicate the state)
   name: str = 'linen'
 
   @functools.cached_property
-  def template(self) -> Any:
+  def _boxed_template(self) -> Any:
+    """`create`'s state as ShapeDtypeStructs, logical-axis boxes (if any) kept: the specs."""
     return jax.eval_shape(lambda: self.create(0))
+
+  @functools.cached_property
+  def template(self) -> Any:
+    """The state as trained: parameters (and moments) unboxed.
+
+    The idiom of flax's sharded training: boxes give the specs, plain arrays
+    train. Trained boxed, every parameter read would add a sharding
+    constraint (`LogicallyPartitioned.unbox` under a mesh) that NNX's
+    variables do not, and the two programs would differ by those.
+    """
+    return meta.unbox(self._boxed_template)
 
   def init(self, seed: int) -> Any:
     # A TrainState's treedef holds `apply_fn` and `tx`, which compare by
     # identity: every state of this side takes the template's.
     # (`TrainState.create` leaves the step a Python int: an array like every leaf.)
-    leaves = [jax.numpy.asarray(x) for x in jax.tree.leaves(self.create(seed))]
+    leaves = [jax.numpy.asarray(x) for x in jax.tree.leaves(meta.unbox(self.create(seed)))]
     return self.place(jax.tree.unflatten(jax.tree.structure(self.template), leaves))
 
   @functools.cached_property
@@ -157,9 +189,12 @@ class StockLinen(_Stock):
   def from_checkpoint(self, flat) -> Any:
     return self.place(bridge_stock.checkpoint_to_linen(flat, self.template))
 
+  def _logical_specs(self) -> Any:
+    return nn.get_partition_spec(self._boxed_template)
+
   def param_specs(self) -> dict[str, tuple]:
     """Logical axis names of boxed parameters (`nn.with_logical_partitioning`); `()` if none."""
-    specs = nn.get_partition_spec(self.template.params)
+    specs = nn.get_partition_spec(self._boxed_template.params)
     flat = paths.items(specs, lambda x: isinstance(x, jax.sharding.PartitionSpec))
     return {'params/' + p: tuple(spec) for p, spec in flat}
 
@@ -190,6 +225,7 @@ class StockNnx(_Stock):
   renames: bridge_stock.Renames = bridge_stock.Renames()
   mesh: jax.sharding.Mesh | None = None
   batch_axis: str = 'data'
+  rules: tuple[tuple[str, Any], ...] | None = None  # logical axis rules (None: replicate the state)
   name: str = 'nnx'
 
   @functools.cached_property
@@ -246,6 +282,9 @@ class StockNnx(_Stock):
 
   def from_checkpoint(self, flat) -> Any:
     return self.place(bridge_stock.checkpoint_to_nnx(flat, self.template, self.renames))
+
+  def _logical_specs(self) -> Any:
+    return nnx.get_partition_spec(self.template)
 
   def param_specs(self) -> dict[str, tuple]:
     model_params = nnx.state(nnx.eval_shape(lambda: self.create(0)[0]), nnx.Param)

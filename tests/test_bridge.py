@@ -114,3 +114,28 @@ def test_layout_rule_moves_axis_and_name_together():
       'layers', 'embed', 'mlp')
   assert_bitwise_equal(x, layout.array_to_linen('decoder/layers/x', moved))
   assert layout.array_to_nnx('token_embedder/embedding', x) is x
+
+
+def test_a_boxed_linen_state_flattens_as_its_arrays_and_refills_boxed():
+  """`nn.with_logical_partitioning` boxes (and the optimizer moments optax builds
+  from them) are leaves: the paths are the unboxed state's, with no `/value`,
+  and refilling a boxed template gives the boxes back, names kept."""
+  import flax.linen as nn
+  import optax
+  from flax.core import meta
+  from flax.training import train_state
+
+  from bridge import paths
+  from bridge import stock as bridge_stock
+
+  dense = nn.Dense(4, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ('embed', 'mlp')))
+  params = dense.init(jax.random.key(0), jnp.ones((1, 3)))['params']
+  boxed = jax.tree.map(jnp.asarray, train_state.TrainState.create(apply_fn=dense.apply, params=params, tx=optax.adam(1e-3)))
+  flat = bridge_stock.linen_to_checkpoint(boxed)
+  assert sorted(flat) == sorted(bridge_stock.linen_to_checkpoint(meta.unbox(boxed)))
+  assert {'params/kernel', 'opt_state/0/mu/kernel', 'opt_state/0/nu/kernel'} <= set(flat)
+  doubled = {p: x * 2 for p, x in paths.flatten(boxed).items()}
+  back = paths.fill('boxed', boxed, doubled)
+  assert isinstance(back.params['kernel'], nn.LogicallyPartitioned)
+  assert back.params['kernel'].names == ('embed', 'mlp')
+  assert_bitwise_equal(doubled, paths.flatten(back), 'refilled boxed state')

@@ -9,6 +9,12 @@ projections and its output projection: where the attention weights are
 computed), and it is declared here with its cause and its measured bound.
 Every parameter's gradient and every later step differ downstream of it, so
 this pair runs only the parts a forward divergence leaves meaningful.
+
+Both models annotate every parameter with logical axes
+(models/families.ENCODER_AXES); given ENCODER_RULES, the stock sides shard
+by them, so `encoder`'s mesh test trains tensor parallel (heads, MLP units
+and vocabulary over `tensor`) and checks each parameter is where its axes
+put it.
 """
 from __future__ import annotations
 
@@ -16,13 +22,14 @@ import dataclasses
 import functools
 
 from bridge.stock import Renames
-from models.families import EncoderConfig, encoder_batch
+from models.families import ENCODER_RULES, EncoderConfig, encoder_batch
 from models.linen import encoder as linen_encoder
 from models.nnx import encoder as nnx_encoder
 from parity.adapter import KnownDifference, Pair
 from parity.stock import StockLinen, StockNnx
 
 CFG = EncoderConfig()
+MESH = 'data=2,tensor=4'
 
 
 def _layer_renames(i):
@@ -46,12 +53,13 @@ RENAMES = Renames(
 def make_sides(cfg, mesh):
   linen = StockLinen(
       functools.partial(linen_encoder.create_train_state, cfg),
-      linen_encoder.train_step, linen_encoder.eval_step, linen_encoder.loss_fn, mesh=mesh,
+      linen_encoder.train_step, linen_encoder.eval_step, linen_encoder.loss_fn,
+      mesh=mesh, rules=ENCODER_RULES,
   )
   nnx_side = StockNnx(
       functools.partial(nnx_encoder.create_train_state, cfg),
       nnx_encoder.train_step, nnx_encoder.eval_step, nnx_encoder.loss_fn,
-      renames=RENAMES, mesh=mesh,
+      renames=RENAMES, mesh=mesh, rules=ENCODER_RULES,
   )
   return linen, nnx_side
 
@@ -71,6 +79,9 @@ LAYER_NORM_PROGRAM = KnownDifference(
 encoder = Pair(
     'encoder', functools.partial(make_sides, CFG), functools.partial(encoder_batch, CFG),
     known_differences=(LAYER_NORM_PROGRAM,),
+    # Tensor parallel as the parameters' logical axes say (models/families.ENCODER_RULES):
+    # heads, MLP units and vocabulary over `tensor`, the batch over `data`.
+    meshes=(MESH,), rules=ENCODER_RULES,
 )
 
 STOCK = dataclasses.replace(CFG, nnx_attention='stock')

@@ -13,7 +13,22 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from models.families import EncoderConfig
+from models.families import ENCODER_AXES, EncoderConfig
+
+
+def _init(default, axes: str):
+  """The stock layer's own initializer, with the parameter's logical axes (ENCODER_AXES)."""
+  return nn.with_logical_partitioning(default, ENCODER_AXES[axes])
+
+
+def _norm():
+  return nn.LayerNorm(scale_init=_init(nn.LayerNorm.scale_init, 'norm'),
+                      bias_init=_init(nn.LayerNorm.bias_init, 'norm'))
+
+
+def _dense(features: int, name: str):
+  return nn.Dense(features, kernel_init=_init(nn.Dense.kernel_init, f'{name}_kernel'),
+                  bias_init=_init(nn.Dense.bias_init, f'{name}_bias'))
 
 
 class EncoderLayer(nn.Module):
@@ -22,15 +37,19 @@ class EncoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x, mask):
     cfg = self.cfg
-    y = nn.LayerNorm()(x)
-    y = nn.MultiHeadDotProductAttention(num_heads=cfg.num_heads, qkv_features=cfg.emb_dim)(
-        y, mask=mask, deterministic=True
-    )
+    mha = nn.MultiHeadDotProductAttention
+    y = _norm()(x)
+    y = mha(
+        num_heads=cfg.num_heads, qkv_features=cfg.emb_dim,
+        kernel_init=_init(mha.kernel_init, 'qkv_kernel'), bias_init=_init(mha.bias_init, 'qkv_bias'),
+        out_kernel_init=_init(mha.kernel_init, 'out_kernel'),
+        out_bias_init=_init(mha.bias_init, 'out_bias'),
+    )(y, mask=mask, deterministic=True)
     x = x + y
-    y = nn.LayerNorm()(x)
-    y = nn.Dense(cfg.mlp_dim)(y)
+    y = _norm()(x)
+    y = _dense(cfg.mlp_dim, 'mlp_in')(y)
     y = nn.gelu(y)
-    return x + nn.Dense(cfg.emb_dim)(y)
+    return x + _dense(cfg.emb_dim, 'mlp_out')(y)
 
 
 class Encoder(nn.Module):
@@ -39,12 +58,13 @@ class Encoder(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     cfg = self.cfg
-    x = nn.Embed(cfg.vocab_size, cfg.emb_dim)(tokens)
+    x = nn.Embed(cfg.vocab_size, cfg.emb_dim,
+                 embedding_init=_init(nn.Embed.embedding_init, 'embedding'))(tokens)
     mask = nn.make_attention_mask(tokens > 0, tokens > 0)
     for i in range(cfg.num_layers):
       x = EncoderLayer(cfg, name=f'layers_{i}')(x, mask)
-    x = nn.LayerNorm()(x)
-    return nn.Dense(cfg.num_classes)(jnp.mean(x, axis=1))
+    x = _norm()(x)
+    return _dense(cfg.num_classes, 'head')(jnp.mean(x, axis=1))
 
 
 TrainState = train_state.TrainState

@@ -12,7 +12,22 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models.families import EncoderConfig
+from models import compat
+from models.families import ENCODER_AXES, EncoderConfig
+
+
+def _axes(axes: str) -> dict:
+  """Variable metadata with the parameter's logical axes (ENCODER_AXES)."""
+  return compat.nnx_axes_metadata(ENCODER_AXES[axes])
+
+
+def _norm(cfg: EncoderConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  return nnx.LayerNorm(cfg.emb_dim, scale_metadata=_axes('norm'), bias_metadata=_axes('norm'), rngs=rngs)
+
+
+def _linear(n_in: int, n_out: int, name: str, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(n_in, n_out, kernel_metadata=_axes(f'{name}_kernel'),
+                    bias_metadata=_axes(f'{name}_bias'), rngs=rngs)
 
 
 def linen_dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal=False, module=None, **kwargs):
@@ -35,14 +50,16 @@ ATTENTION_FNS = {'stock': nnx.dot_product_attention, 'linen': linen_dot_product_
 class EncoderLayer(nnx.Module):
 
   def __init__(self, cfg: EncoderConfig, *, rngs: nnx.Rngs):
-    self.norm1 = nnx.LayerNorm(cfg.emb_dim, rngs=rngs)
+    self.norm1 = _norm(cfg, rngs)
     self.attention = nnx.MultiHeadAttention(
         cfg.num_heads, cfg.emb_dim, qkv_features=cfg.emb_dim, decode=False,
         attention_fn=ATTENTION_FNS[cfg.nnx_attention], rngs=rngs,
+        kernel_metadata=_axes('qkv_kernel'), bias_metadata=_axes('qkv_bias'),
+        out_kernel_metadata=_axes('out_kernel'), out_bias_metadata=_axes('out_bias'),
     )
-    self.norm2 = nnx.LayerNorm(cfg.emb_dim, rngs=rngs)
-    self.mlp_in = nnx.Linear(cfg.emb_dim, cfg.mlp_dim, rngs=rngs)
-    self.mlp_out = nnx.Linear(cfg.mlp_dim, cfg.emb_dim, rngs=rngs)
+    self.norm2 = _norm(cfg, rngs)
+    self.mlp_in = _linear(cfg.emb_dim, cfg.mlp_dim, 'mlp_in', rngs)
+    self.mlp_out = _linear(cfg.mlp_dim, cfg.emb_dim, 'mlp_out', rngs)
 
   def __call__(self, x, mask):
     x = x + self.attention(self.norm1(x), mask=mask, deterministic=True)
@@ -53,10 +70,10 @@ class EncoderLayer(nnx.Module):
 class Encoder(nnx.Module):
 
   def __init__(self, cfg: EncoderConfig, *, rngs: nnx.Rngs):
-    self.embed = nnx.Embed(cfg.vocab_size, cfg.emb_dim, rngs=rngs)
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.emb_dim, embedding_metadata=_axes('embedding'), rngs=rngs)
     self.layers = nnx.List([EncoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.final_norm = nnx.LayerNorm(cfg.emb_dim, rngs=rngs)
-    self.head = nnx.Linear(cfg.emb_dim, cfg.num_classes, rngs=rngs)
+    self.final_norm = _norm(cfg, rngs)
+    self.head = _linear(cfg.emb_dim, cfg.num_classes, 'head', rngs)
 
   def __call__(self, tokens):
     x = self.embed(tokens)
