@@ -75,15 +75,16 @@ class _Runs:
     return side.to_checkpoint(state)
 
   @functools.cache
-  def probe(self, side_name: str, step: int = 0, init_side: str = 'linen') -> adapter.Probe:
-    """`side_name`'s probe of train step `step`, from the Linen state before it."""
-    side = self.side(side_name)
-    state = side.from_checkpoint(self.linen_state_before(step, init_side))
-    return side.probe(state, self.batch(step), rng.step_key(self.dropout_base(), step, 0))
+  def localization(self, step: int = 0, init_side: str = 'linen') -> localize.Localization:
+    """The localizer on train step `step`, both sides from the Linen state before it."""
+    return localize.localize_step(
+        *self.sides(), self.linen_state_before(step, init_side), self.batch(step),
+        rng.step_key(self.dropout_base(), step, 0),
+    )
 
   def localization_lines(self, step: int = 0, init_side: str = 'linen') -> list[str]:
     try:
-      result = localize.localize(self.probe('linen', step, init_side), self.probe('nnx', step, init_side))
+      result = self.localization(step, init_side)
     except Exception as e:  # the localizer must never hide the failure it explains
       return [f'localizer failed: {type(e).__name__}: {e}']
     lines = result.lines()
@@ -343,7 +344,7 @@ def check_localize(pair: adapter.Pair) -> list[str]:
   parameters declared for 'grads'.
   """
   runs = _runs(pair)
-  result = localize.localize(runs.probe('linen'), runs.probe('nnx'))
+  result = runs.localization()
   problems, seen = [], []
   if result.forward is not None:
     known = pair.known(result.forward, 'forward')

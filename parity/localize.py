@@ -291,6 +291,18 @@ def _under(param: str, module: str) -> bool:
   return module == ROOT or p.startswith(module + '/')
 
 
+def localize_step(
+    linen: adapter.Side, nnx_side: adapter.Side, linen_state: dict[str, Any], batch: Any, key: Any
+) -> Localization:
+  """Both sides probed from one state (the checkpoint layout) on one step's placed batch and key.
+
+  The runner and the battery both localize a divergent step this way, from
+  the Linen side's state before it.
+  """
+  probes = [side.probe(side.from_checkpoint(linen_state), batch, key) for side in (linen, nnx_side)]
+  return localize(*probes)
+
+
 def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
   details: dict[str, str] = {}
 

@@ -592,14 +592,11 @@ def _localize(sides, divergence, dropout_base, say) -> tuple[dict | None, list[s
   step = divergence['step']
   say(f'localizing the divergence at step {step}')
   try:
-    linen_state = divergence['state']
-    nnx_state = sides['nnx'].from_checkpoint(sides['linen'].to_checkpoint(linen_state))
-    key = rng.step_key(dropout_base, step, 0)
-    probes = [
-        sides[name].probe(state, sides[name].place_batch(divergence['batch']), key)
-        for name, state in (('linen', linen_state), ('nnx', nnx_state))
-    ]
-    result = localize.localize(*probes)
+    linen = sides['linen']
+    result = localize.localize_step(
+        linen, sides['nnx'], linen.to_checkpoint(divergence['state']),
+        linen.place_batch(divergence['batch']), rng.step_key(dropout_base, step, 0),
+    )
   except Exception as e:  # the verdict stands without it
     return None, [f'localizer failed: {type(e).__name__}: {e}']
   return result.first(step), result.lines()

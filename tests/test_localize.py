@@ -157,7 +157,7 @@ def _family_localization(module_file, cfg, broken_create=None, pair_name=None):
     pair = Pair('broken', make_sides, module_file.classifier.batch if hasattr(module_file, 'classifier')
                 else module_file.encoder.batch)
   runs = battery._runs(pair)
-  return localize.localize(runs.probe('linen'), runs.probe('nnx')).first(0)
+  return runs.localization().first(0)
 
 
 def test_a_classifier_batch_norm_epsilon_is_named():
