@@ -168,7 +168,7 @@ def check_specs(pair: adapter.Pair) -> list[str]:
   runs = _runs(pair)
   linen, nnx_side = runs.sides()
   specs_lib.check_no_drift(linen.param_specs(), nnx_side.param_specs(), f'{pair.name} parameters')
-  rules = pair.rules if pair.rules is not None else (getattr(linen, 'rules', None) or specs_lib.DEFAULT_RULES)
+  rules = _rules(pair, linen, default=specs_lib.DEFAULT_RULES)
   start = runs.start('linen')
   tables = [
       activations.rows(side, side.from_checkpoint(start), runs.batch(0), runs.dropout_base(), tuple(rules))
@@ -181,6 +181,13 @@ def check_specs(pair: adapter.Pair) -> list[str]:
         f' {len(tables[1])} in NNX\'s):\n  ' + '\n  '.join(problems[:50])
     )
   return [f'activation constraints: {len(tables[0])} per train step, the same logical names on both sides']
+
+
+def _rules(pair: adapter.Pair, side: adapter.Side, default):
+  """The pair's logical axis rules, else the side's, else `default`."""
+  if pair.rules is not None:
+    return pair.rules
+  return getattr(side, 'rules', None) or default
 
 
 def check_grads(pair: adapter.Pair) -> list[str]:
@@ -262,19 +269,16 @@ def check_resume(pair: adapter.Pair, direction: str) -> None:
 def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
   """Both sides on `mesh_spec`: equal losses and final state, same shardings and annotations."""
   runs = _runs(pair)
-  (la, fa, sa), (lb, fb, sb) = (runs.trajectory(s, 'linen', mesh_spec) for s in ('linen', 'nnx'))
+  (la, fa, _), (lb, fb, _) = (runs.trajectory(s, 'linen', mesh_spec) for s in ('linen', 'nnx'))
   losses = lambda ls: {f'loss/step_{i}': x for i, x in enumerate(ls)}
   seen = compare(pair, 'train', {**losses(la), **fa}, {**losses(lb), **fb},
                  f'{pair.steps} train steps on mesh {mesh_spec}')
   linen, nnx_side = runs.sides(mesh_spec)
-  shardings = [
-      {p: specs_lib.describe_sharding(x.sharding) for p, x in side.to_checkpoint(s).items()}
-      for side, s in ((linen, sa), (nnx_side, sb))
-  ]
+  shardings = [{p: specs_lib.describe_sharding(x.sharding) for p, x in f.items()} for f in (fa, fb)]
   drift = [f'{p}: linen {shardings[0][p]} vs nnx {shardings[1].get(p)}'
            for p in shardings[0] if shardings[0][p] != shardings[1].get(p)]
   assert not drift, f'{pair.name}: final state shardings differ on {mesh_spec}:\n  ' + '\n  '.join(drift)
-  off = [line for side, s in ((linen, sa), (nnx_side, sb)) for line in _off_their_rules(pair, side, s)]
+  off = [line for side, f in ((linen, fa), (nnx_side, fb)) for line in _off_their_rules(pair, side, f)]
   assert not off, (
       f'{pair.name}: parameters not where their logical axes and the rules put them on'
       f' {mesh_spec}:\n  ' + '\n  '.join(off[:50])
@@ -292,15 +296,13 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
   return seen
 
 
-def _off_their_rules(pair: adapter.Pair, side: adapter.Side, state: Any) -> list[str]:
-  """Each parameter whose sharding is not what the rules give for its logical axes.
+def _off_their_rules(pair: adapter.Pair, side: adapter.Side, flat: Mapping[str, Any]) -> list[str]:
+  """Each parameter of `flat` (a state in the checkpoint layout) not where the rules put its axes.
 
   Catches a side that replicates (or shards otherwise) what its annotations
   say to shard, even when the other side does the same.
   """
-  rules = pair.rules if pair.rules is not None else (getattr(side, 'rules', None) or ())
-  rules = [tuple(r) for r in rules]
-  flat = side.to_checkpoint(state)
+  rules = [tuple(r) for r in _rules(pair, side, default=())]
   lines = []
   for path, names in side.param_specs().items():
     actual = flat[path].sharding

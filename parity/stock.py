@@ -55,7 +55,12 @@ class _Stock:
       return None
     if self.rules is None:
       return _replicated(self.mesh, self.template)
-    return nn.logical_to_mesh_sharding(self._logical_specs(), self.mesh, [tuple(r) for r in self.rules])
+    return nn.logical_to_mesh_sharding(self._logical_specs(), self.mesh, self._rule_list)
+
+  @property
+  def _rule_list(self) -> list[tuple[str, Any]]:
+    """The rules as flax takes them (none: no logical name maps to a mesh axis)."""
+    return [tuple(r) for r in self.rules or ()]
 
   def batch_sharding(self) -> Any:
     if self.mesh is None:
@@ -112,7 +117,7 @@ class _Stock:
     if self.mesh is None:
       yield
       return
-    with compat.use_mesh(self.mesh), nn.logical_axis_rules([tuple(r) for r in self.rules or ()]):
+    with compat.use_mesh(self.mesh), nn.logical_axis_rules(self._rule_list):
       yield
 
   def argument_names(self, lowered, state, batch, dropout_base) -> list[str]:
