@@ -19,7 +19,7 @@ from bridge import specs
 from bridge import train_state as bridge_state
 from models import data, rng
 from models.config import SCENARIOS, ModelConfig, TrainConfig, get_configs
-from parity import programs, runner
+from parity import distributed, programs, runner
 from parity.programs import sharding_annotations
 from parity.runner import CompareResult, run_compare
 from parity.sides import as_jax_batch, make_sides
@@ -110,6 +110,8 @@ def train_on_mesh(
       bridge_state.nnx_to_checkpoint_leaves(jax.tree.map(of_leaf, nnx_state), nnx_side.layout),
   )
   base = rng.base_key(0)
+  if mesh is not None:  # as `parity compare` places it (one array over the mesh, as restored)
+    base = distributed.replicated(base, mesh)
   batches = [as_jax_batch(data.make_batch(model_cfg, train_cfg, s)) for s in range(steps)]
   compiled = [
       runner.compile_step(side, state, batches[0], base)

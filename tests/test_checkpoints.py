@@ -98,10 +98,12 @@ def _resume_runs(mesh_spec: str | None, root) -> ResumeRuns:
   linen, nnx_side = make_sides(model_cfg, train_cfg, mesh)
   sides = {'linen': linen, 'nnx': nnx_side}
   batches = [as_jax_batch(data.make_batch(model_cfg, train_cfg, s)) for s in range(STEPS)]
-  # Restored arrays are committed to their devices; committing these alike
-  # means each side's step compiles once, not again after the restore.
-  initial = jax.device_put(_initial_state(), _target_shardings(linen))
-  base = jax.device_put(rng.base_key(0), ck.key_sharding(mesh))
+  # Placed as tests/runs.mesh_run and the battery place theirs (and as
+  # `parity compare` does), so the steps are the programs they compile: on a
+  # mesh the state in its shardings and the key replicated (as restored); on
+  # one device neither is committed (as `checkpoints.restore` returns them).
+  initial = _initial_state() if mesh is None else jax.device_put(_initial_state(), _target_shardings(linen))
+  base = rng.base_key(0) if mesh is None else jax.device_put(rng.base_key(0), ck.key_sharding(mesh))
 
   managers, saved, prefix_losses, live = {}, {}, {}, {}
   for name, side in sides.items():
@@ -119,9 +121,11 @@ def _resume_runs(mesh_spec: str | None, root) -> ResumeRuns:
   )
   for x, y in PAIRS:
     flat, restored_base = ck.restore_checkpoint(managers[x], SAVE_AT, sides[y])
-    state = sides[y].from_checkpoint(flat)
+    # The train state as resuming gets it (`checkpoints.restore`: on one
+    # device not committed, so the step is the one that trained before).
+    state, resume_base = ck.restore(managers[x], SAVE_AT, sides[y])
     runs.restored[x, y] = Restored(flat, restored_base, state)
-    final, runs.resumed_losses[x, y] = _train(sides[y], state, batches[SAVE_AT:], restored_base)
+    final, runs.resumed_losses[x, y] = _train(sides[y], state, batches[SAVE_AT:], resume_base)
     runs.resumed_final[x, y] = sides[y].to_checkpoint(final)
   return runs
 
