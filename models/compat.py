@@ -139,3 +139,18 @@ def cache_compiles_of_every_process() -> bool:
   _cache_write._parity_every_process = True
   compiler._cache_write = _cache_write
   return True
+
+
+def fresh_trace() -> Any:
+  """A context in which jit traces again instead of reusing a cached trace.
+
+  jit (and `nnx.jit`) keep each function's trace per argument types and
+  trace context. Set to a regex that removes nothing, jax's source-file
+  canonicalisation (part of the trace context; it touches debug locations
+  only) gives another context, so a step lowered in it is traced anew, e.g.
+  with its module calls named (parity/scopes.py). A jax._src config state in
+  jax 0.10 to 0.12; no public API does this.
+  """
+  from jax._src import config
+
+  return config.hlo_source_file_canonicalization_regex('(?!)parity-fresh-trace')

@@ -100,8 +100,10 @@ class KnownDifference:
   `passes` (any of 'grads', 'train', 'eval'), each within `max_ulp` units in
   the last place; with 'forward', module paths where the localizer may find
   the forward divergence starting, within `max_ulp`; or, with 'program' in `passes`, the modules whose stock
-  implementations lower differently, the canonical programs then differing
-  by at most `max_changed_lines` lines. `reason` (the cause, with its
+  implementations lower differently: the canonical programs then differ
+  by at most `max_changed_lines` lines, and not at all once the operations
+  located in those modules are left out (parity.programs `opaque_modules`;
+  the NNX side names its module calls by their Linen paths, parity/scopes.py). `reason` (the cause, with its
   evidence) goes into the report and every failure message.
   """
 

@@ -324,7 +324,8 @@ def check_memory(pair: adapter.Pair) -> None:
 def check_program(pair: adapter.Pair) -> list[str]:
   """Canonical programs identical, or within the pair's declared program difference."""
   runs = _runs(pair)
-  d = runner.program_diff_of(runs.compiled('linen'), runs.compiled('nnx'))
+  linen, nnx_ = runs.compiled('linen'), runs.compiled('nnx')
+  d = runner.program_diff_of(linen, nnx_)
   known = pair.program_difference()
   if d.identical:
     return []
@@ -334,8 +335,15 @@ def check_program(pair: adapter.Pair) -> list[str]:
          f' (declared bound {known.max_changed_lines} lines in {", ".join(known.paths)}: {known.reason})')
       + f'\n{d.diff}'
   )
+  # Confined to the declared modules: with their operations left out, the rest is identical.
+  outside = runner.program_diff_of(linen, nnx_, tuple(known.paths))
+  assert outside.identical, (
+      f'{pair.name}: the programs differ outside the modules declared ({", ".join(known.paths)}):'
+      f' {outside.summary()} (their operations left out; an NNX side names its module calls'
+      f' for this, parity/scopes.py)\n{outside.diff}'
+  )
   return [f'{d.changed_lines} canonical lines (declared bound {known.max_changed_lines},'
-          f' {", ".join(known.paths)}: {known.reason})']
+          f' {", ".join(known.paths)}: {known.reason}); identical outside those modules']
 
 
 def check_localize(pair: adapter.Pair) -> list[str]:

@@ -301,6 +301,12 @@ class _Canonicalizer:
         name, _, count = part.strip().partition(':')
         def_names.append((name, int(count) if count else None))
       header = _PLACEHOLDER + header[lhs.end(1):]
+    marker = _OPAQUE.search(lines[-1])
+    if marker and def_names:
+      return self._opaque(marker.group(1), def_names)
+    if marker:  # no result to stand for: compared as any operation
+      lines = lines[:-1] + [_OPAQUE.sub('', lines[-1])]
+      header = _OPAQUE.sub('', header)
     base = _indent_of(lines[0])
     # Structure lines (the header, `cond {`, `} do {`, `^bb0(...)`, closing
     # braces) versus region bodies (everything indented deeper).
@@ -342,6 +348,16 @@ class _Canonicalizer:
         side_effect=not def_names or 'has_side_effect = true' in header,
         aliases=aliases,
     )
+
+  def _opaque(self, module: str, def_names: list[tuple[str, int | None]]) -> _Statement:
+    """An operation of a module left out of the comparison: one opaque value per result."""
+    out = [f'{_PLACEHOLDER} = parity.opaque "{module}"']
+    token = _hash('\n'.join(out))
+    defs = []
+    for i, (name, _) in enumerate(def_names):
+      suffix = f'_{i}' if len(def_names) > 1 else ''
+      defs.append((name, f'%v{token}' if not suffix else f'%v{_hash(token + suffix)}'))
+    return _Statement(lines=out, defs=defs, refs=set(), token=token, terminator=False, side_effect=False)
 
   def _generic(self, parts, scope, depth) -> tuple[list[str], dict[int, int] | None]:
     # Values bound by the structure (block arguments, reducer arguments) are
@@ -655,7 +671,67 @@ def _arg_name(path: str) -> str:
   return '%' + re.sub(r'[^\w$-]', '.', path if path[:1].isalpha() else f'_{path}')
 
 
-def canonicalize(text: str, arg_names: list[str] | None = None) -> str:
+# Module paths of operations, from the debug locations of a lowered program
+# (`as_text(debug_info=True)`): `#loc7 = loc("jvp(Encoder)/layers_0/LayerNorm_0/mul"(#loc3))`
+# and an operation's trailing `loc(#loc7)`.
+_LOC_ALIAS = re.compile(r'^\s*(#loc\d*)\s*=\s*loc\((.*)\)\s*$')
+_TRAILING_LOC = re.compile(r'\s*loc\((#loc\d*)\)\s*$')
+_OPAQUE = re.compile(r'\s*\u27e6opaque ([^\u27e7]*)\u27e7')
+
+
+def _location_names(text: str) -> dict[str, str]:
+  """Each location alias's name-stack string ('' for file and unknown locations)."""
+  bodies = {}
+  for line in text.splitlines():
+    m = _LOC_ALIAS.match(line)
+    if m:
+      bodies[m.group(1)] = m.group(2)
+
+  def name(alias: str, depth: int = 0) -> str:
+    body = bodies.get(alias, '')
+    quoted = re.match(r'"((?:[^"\\]|\\.)*)"(:?)', body)
+    if quoted:
+      return '' if quoted.group(2) else quoted.group(1)  # `"file.py":12:3` is a file
+    callsite = re.match(r'callsite\((#loc\d*) at ', body)
+    if callsite and depth < 64:
+      return name(callsite.group(1), depth + 1)
+    return ''
+
+  return {alias: name(alias) for alias in bodies}
+
+
+def module_of(name: str) -> list[str]:
+  """The module path in a name-stack string, its root module and the operation dropped.
+
+  `transpose(jvp(Encoder))/layers_0/LayerNorm_0/mul` -> ['layers_0', 'LayerNorm_0'];
+  a leading jitted function's name (`jit(apply)/Net/Dense_0/dot_general`) is not the root.
+  """
+  parts = name.split('/')
+  while len(parts) > 1 and re.fullmatch(r'p?jit\(.*\)', parts[0]):
+    parts = parts[1:]
+  parts = [re.sub(r'\)+$', '', re.sub(r'^(?:[\w.-]*\()+', '', p)) for p in parts]
+  return parts[1:-1]
+
+
+def _mark_opaque(text: str, modules: tuple[str, ...]) -> str:
+  """Each operation located in one of `modules` marked (its location replaced by the marker)."""
+  wanted = [(m, m.split('/')) for m in modules]
+  names = _location_names(text)
+  out = []
+  for line in text.splitlines():
+    m = _TRAILING_LOC.search(line)
+    if m and not _LOC_ALIAS.match(line):
+      path = module_of(names.get(m.group(1), ''))
+      hit = next((module for module, parts in wanted if path[:len(parts)] == parts), None)
+      if hit is not None:
+        line = line[:m.start()] + f' \u27e6opaque {hit}\u27e7'
+    out.append(line)
+  return '\n'.join(out)
+
+
+def canonicalize(
+    text: str, arg_names: list[str] | None = None, opaque_modules: tuple[str, ...] = ()
+) -> str:
   """The lowered (StableHLO) text as a canonical dataflow graph (see above).
 
   Removed: debug locations, `jax.result_info`/`jax.arg_info` labels, the
@@ -669,7 +745,16 @@ def canonicalize(text: str, arg_names: list[str] | None = None) -> str:
   path) the arguments take those names; without, they are numbered by first
   use. Kept: every live operation, type, shape, attribute, sharding and
   constant.
+
+  `opaque_modules` (module paths, e.g. `layers_0/LayerNorm_0`; needs the text
+  with debug locations, and an NNX side lowered with its modules named, see
+  parity/scopes.py): every operation located inside one of them becomes one
+  opaque value per result, `parity.opaque "<module>"`, with no operands; the
+  values they pass to the rest of the program are then the same on both
+  sides whatever computes them, and the rest must match.
   """
+  if opaque_modules:
+    text = _mark_opaque(text, tuple(opaque_modules))
   text = _strip_label_attrs(_strip_locations(text))
   items = _parse_functions(text)
   functions = {i.name: i for i in items if isinstance(i, _Function)}
@@ -792,6 +877,7 @@ def diff(
     linen_args: list[str] | None = None,
     nnx_args: list[str] | None = None,
     allowed: tuple[AllowedDifference, ...] = (),
+    opaque_modules: tuple[str, ...] = (),
 ) -> ProgramDiff:
   """Canonicalises both programs and compares them line by line.
 
@@ -799,7 +885,10 @@ def diff(
   (a changed line around where it changes); hash names are shortened for
   reading (the comparison uses them whole).
   """
-  full = [canonicalize(linen_text, linen_args), canonicalize(nnx_text, nnx_args)]
+  full = [
+      canonicalize(linen_text, linen_args, opaque_modules),
+      canonicalize(nnx_text, nnx_args, opaque_modules),
+  ]
   allowed_names = [a.name for a in allowed]
   if full[0] == full[1]:
     n = len(full[0].splitlines())

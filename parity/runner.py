@@ -300,20 +300,30 @@ def comparison_lowering(side: Any, state: Any, batch: Any, dropout_base: Any) ->
   batch, dropout_base = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (batch, dropout_base)
   )
-  lowered = side.lower_train_step(compared_state, batch, dropout_base)
+  # A side may lower it with its modules named on the name stack (as Linen
+  # does itself): StockNnx.lower_for_comparison, parity/scopes.py.
+  lower = getattr(side, 'lower_for_comparison', side.lower_train_step)
+  lowered = lower(compared_state, batch, dropout_base)
   names = side.argument_names(lowered, compared_state, batch, dropout_base)
-  return lowered.as_text(), names
+  return lowered.as_text(debug_info=True), names
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, 'sharding', None))
 
 
-def program_diff_of(linen: CompiledStep, nnx: CompiledStep) -> programs.ProgramDiff:
-  """The canonical program diff of two compiled steps, the allowed differences removed."""
+def program_diff_of(
+    linen: CompiledStep, nnx: CompiledStep, opaque_modules: tuple[str, ...] = ()
+) -> programs.ProgramDiff:
+  """The canonical program diff of two compiled steps, the allowed differences removed.
+
+  `opaque_modules`: module paths whose operations are not compared (see
+  `programs.canonicalize`).
+  """
   return programs.diff(
       linen.compared_text, nnx.compared_text,
       linen_args=linen.argument_names, nnx_args=nnx.argument_names, allowed=programs.ALLOWED,
+      opaque_modules=opaque_modules,
   )
 
 

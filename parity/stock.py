@@ -34,7 +34,7 @@ from bridge import paths
 from bridge import stock as bridge_stock
 from bridge.train_state import NNX_STEP_DTYPE
 from models import compat
-from parity import adapter, localize
+from parity import adapter, localize, scopes
 
 
 def _replicated(mesh, tree):
@@ -251,14 +251,26 @@ class StockNnx(_Stock):
   def _merge(self, state):
     return nnx.merge(self.graphdef, state)
 
+  def _train_fn(self, state, batch, dropout_base):
+    model, optimizer = self._merge(state)
+    metrics = self.train_step_fn(model, optimizer, batch, dropout_base)
+    return nnx.state((model, optimizer)), metrics
+
   @functools.cached_property
   def _train_step(self):
-    def fn(state, batch, dropout_base):
-      model, optimizer = self._merge(state)
-      metrics = self.train_step_fn(model, optimizer, batch, dropout_base)
-      return nnx.state((model, optimizer)), metrics
+    return self._jit(self._train_fn, state_out=True)
 
-    return self._jit(fn, state_out=True)
+  def lower_for_comparison(self, state, batch, dropout_base) -> jax.stages.Lowered:
+    """The train step traced anew with every module call named by its Linen path.
+
+    Only the debug locations differ from `lower_train_step` (parity/scopes.py);
+    the program comparison reads them to keep a declared difference inside its modules.
+    """
+    fresh = self._jit(lambda *args: self._train_fn(*args), state_out=True)
+    sample = self._merge(self.template)[0]
+    # Traced anew (the user's step may be an `nnx.jit` that keeps its trace).
+    with self._context(), compat.fresh_trace(), scopes.nnx_module_scopes(sample, self.renames.to_linen):
+      return fresh.lower(state, batch, dropout_base)
 
   @functools.cached_property
   def _eval_step(self):

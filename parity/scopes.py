@@ -1,0 +1,73 @@
+"""NNX module calls named as Linen names its modules, in the lowered program.
+
+Linen pushes each module's path onto jax's name stack, so every operation of
+a lowered Linen program carries the module it belongs to in its debug
+location (`jvp(Encoder)/layers_0/LayerNorm_0/mul`). NNX modules push
+nothing. `nnx_module_scopes` wraps each module class's `__call__` (restored
+on exit) in a `jax.named_scope` of the module's Linen path relative to its
+caller's, the root named by its class as Linen does, so that the same
+operation reads `jvp(Encoder)/layers_0/LayerNorm_0/mul` on both sides.
+
+Names change debug locations only: the program, and jax's compilation cache
+key (which strips debug information), stay the same. parity.programs reads
+them to confine a declared program difference to its modules.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import jax
+from flax import nnx
+
+
+@contextlib.contextmanager
+def nnx_module_scopes(sample: nnx.Module, rename: Callable[[str], str]) -> Iterator[None]:
+  """While active, a call of any module class found in `sample` runs in its Linen path's scope.
+
+  Paths are read from the outermost module called (`nnx.iter_graph`), NNX
+  path `layers/0/norm1` renamed by `rename` (e.g. to `layers_0/LayerNorm_0`).
+  """
+  classes = {}
+  for _, node in nnx.iter_graph(sample):
+    if isinstance(node, nnx.Module):
+      owner = next((c for c in type(node).__mro__ if '__call__' in c.__dict__), None)
+      if owner is not None:
+        classes[owner] = owner.__dict__['__call__']
+  paths: dict[int, str] = {}
+  active: list[str] = []
+
+  def wrap(original):
+    def __call__(self, *args, **kwargs):
+      outermost = not active
+      if outermost:
+        paths.clear()
+        for path, node in nnx.iter_graph(self):
+          if isinstance(node, nnx.Module) and id(node) not in paths:
+            paths[id(node)] = rename('/'.join(str(p) for p in path)) if path else ''
+      path = paths.get(id(self))
+      if path is None or (active and path == active[-1]):  # unknown, or a call from its own body
+        return original(self, *args, **kwargs)
+      parent = active[-1] if active else None
+      if parent is None:
+        name = type(self).__name__
+      elif parent and path.startswith(parent + '/'):
+        name = path[len(parent) + 1:]
+      else:
+        name = path
+      active.append(path)
+      try:
+        with jax.named_scope(name):
+          return original(self, *args, **kwargs)
+      finally:
+        active.pop()
+
+    return __call__
+
+  try:
+    for owner, original in classes.items():
+      setattr(owner, '__call__', wrap(original))
+    yield
+  finally:
+    for owner, original in classes.items():
+      setattr(owner, '__call__', original)

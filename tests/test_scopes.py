@@ -1,0 +1,86 @@
+"""A declared program difference is confined to its modules.
+
+Flax's stock layer norms lower differently on the two sides (same numbers):
+with the operations located in the declared module left out
+(`programs.canonicalize(opaque_modules=...)`, the NNX module calls named by
+their Linen paths, parity/scopes.py), the rest of the program must be
+identical, so an undeclared change elsewhere fails however small it is.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import compat
+from parity import programs, scopes
+
+RENAMES = {'norm': 'LayerNorm_0', 'dense': 'Dense_0'}
+
+
+class LinenNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(nn.LayerNorm()(x))
+
+
+class NnxNet(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs, extra_op: bool = False):
+    self.norm = nnx.LayerNorm(4, rngs=rngs)
+    self.dense = nnx.Linear(4, 4, rngs=rngs)
+    self.extra_op = extra_op
+
+  def __call__(self, x):
+    y = self.dense(self.norm(x))
+    return y * 1.0 if self.extra_op else y  # the same numbers, one more operation
+
+
+X = jnp.ones((2, 4), jnp.float32)
+
+
+def _linen_text() -> str:
+  model = LinenNet()
+  params = model.init(jax.random.key(0), X)
+  return jax.jit(model.apply).lower(params, X).as_text(debug_info=True)
+
+
+def _nnx_text(extra_op: bool = False, named: bool = True) -> str:
+  model = NnxNet(nnx.Rngs(0), extra_op)
+  graphdef, state = nnx.split(model)
+  step = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+  if not named:
+    return step.lower(state, X).as_text(debug_info=True)
+  with compat.fresh_trace(), scopes.nnx_module_scopes(model, lambda p: RENAMES.get(p, p)):
+    return step.lower(state, X).as_text(debug_info=True)
+
+
+def test_the_stock_layer_norms_differ_only_inside_the_declared_module():
+  linen, nnx_ = _linen_text(), _nnx_text()
+  assert not programs.diff(linen, nnx_).identical  # the premise: the stock norms lower differently
+  d = programs.diff(linen, nnx_, opaque_modules=('LayerNorm_0',))
+  assert d.identical, d.diff
+
+
+def test_a_change_outside_the_declared_module_is_a_difference():
+  d = programs.diff(_linen_text(), _nnx_text(extra_op=True), opaque_modules=('LayerNorm_0',))
+  assert not d.identical
+  assert 'multiply' in d.diff
+
+
+def test_unnamed_nnx_modules_confine_nothing():
+  d = programs.diff(_linen_text(), _nnx_text(named=False), opaque_modules=('LayerNorm_0',))
+  assert not d.identical
+
+
+def test_nnx_module_calls_carry_their_linen_paths():
+  names = set(programs._location_names(_nnx_text()).values())
+  modules = {tuple(programs.module_of(n)) for n in names if n}
+  assert ('LayerNorm_0',) in modules and ('Dense_0',) in modules
+
+
+def test_module_of_reads_through_transformations():
+  assert programs.module_of('transpose(jvp(Encoder))/layers_0/LayerNorm_0/mul') == ['layers_0', 'LayerNorm_0']
+  assert programs.module_of('jvp(Encoder)/Dense_0/dot_general') == ['Dense_0']
+  assert programs.module_of('jit(apply)/Net/LayerNorm_0/rsqrt') == ['LayerNorm_0']
+  assert programs.module_of('jvp()/add') == []
