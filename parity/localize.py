@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from bridge import paths
-from parity import adapter, bitwise
+from parity import adapter, bitwise, scopes
 
 ROOT = '(model)'
 _LAYER = re.compile(r'(^|/)layers_(\d+)(/|$)')
@@ -122,14 +122,10 @@ def linen_probe(loss: Callable, has_aux: bool, state: Any, batch: Any, dropout_k
 def _nnx_intercept(model: nnx.Module, recorder: _Recorder, rename: Callable[[str], str]):
   """Each module class's `__call__` wrapped (restored on exit); outermost call per instance recorded."""
   names = {}
-  classes = {}
   for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Module) and id(node) not in names:
-      owner = next((c for c in type(node).__mro__ if '__call__' in c.__dict__), None)
-      if owner is None:  # not callable (containers, rng holders)
-        continue
+    callable_ = any('__call__' in c.__dict__ for c in type(node).__mro__)
+    if isinstance(node, nnx.Module) and id(node) not in names and callable_:
       names[id(node)] = rename('/'.join(str(p) for p in path))
-      classes[owner] = owner.__dict__['__call__']
   active: set[int] = set()
 
   def wrap(original):
@@ -147,13 +143,8 @@ def _nnx_intercept(model: nnx.Module, recorder: _Recorder, rename: Callable[[str
 
     return __call__
 
-  try:
-    for owner, original in classes.items():
-      setattr(owner, '__call__', wrap(original))
+  with scopes.patched_module_calls(model, wrap):
     yield
-  finally:
-    for owner, original in classes.items():
-      setattr(owner, '__call__', original)
 
 
 def nnx_probe(

@@ -22,25 +22,40 @@ from flax import nnx
 
 
 @contextlib.contextmanager
+def patched_module_calls(sample: nnx.Module, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+  """Each module class found in `sample` with its `__call__` replaced by `wrap(original)`.
+
+  The class that defines `__call__` is patched (restored on exit), so every
+  instance traced meanwhile, including those `nnx.merge` creates, is wrapped.
+  """
+  classes = {}
+  for _, node in nnx.iter_graph(sample):
+    if isinstance(node, nnx.Module):
+      owner = next((c for c in type(node).__mro__ if '__call__' in c.__dict__), None)
+      if owner is not None:  # not callable: containers, rng holders
+        classes[owner] = owner.__dict__['__call__']
+  try:
+    for owner, original in classes.items():
+      setattr(owner, '__call__', wrap(original))
+    yield
+  finally:
+    for owner, original in classes.items():
+      setattr(owner, '__call__', original)
+
+
+@contextlib.contextmanager
 def nnx_module_scopes(sample: nnx.Module, rename: Callable[[str], str]) -> Iterator[None]:
   """While active, a call of any module class found in `sample` runs in its Linen path's scope.
 
   Paths are read from the outermost module called (`nnx.iter_graph`), NNX
   path `layers/0/norm1` renamed by `rename` (e.g. to `layers_0/LayerNorm_0`).
   """
-  classes = {}
-  for _, node in nnx.iter_graph(sample):
-    if isinstance(node, nnx.Module):
-      owner = next((c for c in type(node).__mro__ if '__call__' in c.__dict__), None)
-      if owner is not None:
-        classes[owner] = owner.__dict__['__call__']
   paths: dict[int, str] = {}
   active: list[str] = []
 
   def wrap(original):
     def __call__(self, *args, **kwargs):
-      outermost = not active
-      if outermost:
+      if not active:
         paths.clear()
         for path, node in nnx.iter_graph(self):
           if isinstance(node, nnx.Module) and id(node) not in paths:
@@ -64,10 +79,5 @@ def nnx_module_scopes(sample: nnx.Module, rename: Callable[[str], str]) -> Itera
 
     return __call__
 
-  try:
-    for owner, original in classes.items():
-      setattr(owner, '__call__', wrap(original))
+  with patched_module_calls(sample, wrap):
     yield
-  finally:
-    for owner, original in classes.items():
-      setattr(owner, '__call__', original)
