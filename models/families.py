@@ -72,9 +72,18 @@ ENCODER_AXES: dict[str, tuple[str | None, ...]] = {
     'head_kernel': ('embed', 'classes'),
     'head_bias': ('classes',),
 }
+# Activations carry logical names too, at the layer boundaries and on the
+# MLP's hidden units: `nn.with_logical_constraint` on both sides (flax.linen's
+# function reads the rules from `nn.logical_axis_rules` and applies jax's
+# sharding constraint; flax's NNX has no logical activation constraint of its
+# own). A no-op off a mesh.
+ENCODER_ACTIVATION_AXES: dict[str, tuple[str | None, ...]] = {
+    'hidden': ('batch', 'length', 'embed'),  # the embedding's output and each layer's
+    'mlp': ('batch', 'length', 'mlp'),  # the MLP's hidden units, after the activation
+}
 ENCODER_RULES: tuple[tuple[str, str | None], ...] = (
     ('batch', 'data'), ('vocab', 'tensor'), ('heads', 'tensor'), ('mlp', 'tensor'),
-    ('embed', None), ('classes', None),
+    ('embed', None), ('classes', None), ('length', None),
 )
 
 

@@ -180,6 +180,8 @@ def check_specs(pair: adapter.Pair) -> list[str]:
         f'{pair.name}: activation constraints differ ({len(tables[0])} in Linen\'s train step,'
         f' {len(tables[1])} in NNX\'s):\n  ' + '\n  '.join(problems[:50])
     )
+  if not tables[0]:
+    return ['activation constraints: none in either train step (nothing to compare)']
   return [f'activation constraints: {len(tables[0])} per train step, the same logical names on both sides']
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import pytest
+
 from bridge.stock import Renames
 from models.families import ENCODER_RULES, EncoderConfig, encoder_batch
 from models.linen import encoder as linen_encoder
@@ -104,3 +106,14 @@ encoder_stock_attention = Pair(
     known_differences=(STOCK_ATTENTION,),
     parts=('structure', 'specs', 'localize'),
 )
+
+
+@pytest.mark.xdist_group('parity-encoder')  # the pair's runs are that group's
+def test_the_encoders_activation_constraints_are_compared():
+  """Not vacuous: each side constrains the embedding's output, each layer's MLP hidden
+  units and its output; the backward pass constrains their cotangents alike."""
+  from parity import battery
+
+  (line,) = battery.check_specs(encoder)
+  forward = 1 + 2 * CFG.num_layers
+  assert line == f'activation constraints: {2 * forward} per train step, the same logical names on both sides'

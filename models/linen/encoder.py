@@ -4,6 +4,7 @@ Mirrors models/nnx/encoder.py: `nn.Embed`, pre-norm layers of
 `nn.LayerNorm` + `nn.MultiHeadDotProductAttention` + a `nn.Dense` MLP, a
 final norm, mean pooling and a dense head, trained with the stock
 `TrainState`. Token id 0 is padding and is masked out of attention.
+Parameters and activations carry logical axis names (models/families.py).
 """
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from models.families import ENCODER_AXES, EncoderConfig
+from models.families import ENCODER_ACTIVATION_AXES, ENCODER_AXES, EncoderConfig
 
 
 def _init(default, axes: str):
   """The stock layer's own initializer, with the parameter's logical axes (ENCODER_AXES)."""
   return nn.with_logical_partitioning(default, ENCODER_AXES[axes])
+
+
+def _constrain(x, axes: str):
+  """The activation's logical axes (ENCODER_ACTIVATION_AXES); a no-op off a mesh."""
+  return nn.with_logical_constraint(x, ENCODER_ACTIVATION_AXES[axes])
 
 
 def _norm():
@@ -48,8 +54,8 @@ class EncoderLayer(nn.Module):
     x = x + y
     y = _norm()(x)
     y = _dense(cfg.mlp_dim, 'mlp_in')(y)
-    y = nn.gelu(y)
-    return x + _dense(cfg.emb_dim, 'mlp_out')(y)
+    y = _constrain(nn.gelu(y), 'mlp')
+    return _constrain(x + _dense(cfg.emb_dim, 'mlp_out')(y), 'hidden')
 
 
 class Encoder(nn.Module):
@@ -60,6 +66,7 @@ class Encoder(nn.Module):
     cfg = self.cfg
     x = nn.Embed(cfg.vocab_size, cfg.emb_dim,
                  embedding_init=_init(nn.Embed.embedding_init, 'embedding'))(tokens)
+    x = _constrain(x, 'hidden')
     mask = nn.make_attention_mask(tokens > 0, tokens > 0)
     for i in range(cfg.num_layers):
       x = EncoderLayer(cfg, name=f'layers_{i}')(x, mask)

@@ -4,6 +4,7 @@ Mirrors models/linen/encoder.py: `nnx.Embed`, pre-norm layers of
 `nnx.LayerNorm` + `nnx.MultiHeadAttention` + an `nnx.Linear` MLP, a final
 norm, mean pooling and a linear head, trained with the stock
 `nnx.Optimizer`. Token id 0 is padding and is masked out of attention.
+Parameters and activations carry logical axis names (models/families.py).
 """
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ import optax
 from flax import nnx
 
 from models import compat
-from models.families import ENCODER_AXES, EncoderConfig
+from models.families import ENCODER_ACTIVATION_AXES, ENCODER_AXES, EncoderConfig
 
 
 def _axes(axes: str) -> dict:
   """Variable metadata with the parameter's logical axes (ENCODER_AXES)."""
   return compat.nnx_axes_metadata(ENCODER_AXES[axes])
+
+
+def _constrain(x, axes: str):
+  """The activation's logical axes (ENCODER_ACTIVATION_AXES); a no-op off a mesh."""
+  return nn.with_logical_constraint(x, ENCODER_ACTIVATION_AXES[axes])
 
 
 def _norm(cfg: EncoderConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -63,8 +69,8 @@ class EncoderLayer(nnx.Module):
 
   def __call__(self, x, mask):
     x = x + self.attention(self.norm1(x), mask=mask, deterministic=True)
-    y = nnx.gelu(self.mlp_in(self.norm2(x)))
-    return x + self.mlp_out(y)
+    y = _constrain(nnx.gelu(self.mlp_in(self.norm2(x))), 'mlp')
+    return _constrain(x + self.mlp_out(y), 'hidden')
 
 
 class Encoder(nnx.Module):
@@ -76,7 +82,7 @@ class Encoder(nnx.Module):
     self.head = _linear(cfg.emb_dim, cfg.num_classes, 'head', rngs)
 
   def __call__(self, tokens):
-    x = self.embed(tokens)
+    x = _constrain(self.embed(tokens), 'hidden')
     mask = nnx.make_attention_mask(tokens > 0, tokens > 0)
     for layer in self.layers:
       x = layer(x, mask)
