@@ -11,7 +11,8 @@ Every parameter's gradient and every later step differ downstream of it, so
 this pair runs only the parts a forward divergence leaves meaningful.
 
 Both models annotate every parameter with logical axes
-(models/families.ENCODER_AXES); given ENCODER_RULES, the stock sides shard
+(models/families.ENCODER_AXES) and constrain their activations by logical
+names (ENCODER_ACTIVATION_AXES); given ENCODER_RULES, the stock sides shard
 by them, so `encoder`'s mesh test trains tensor parallel (heads, MLP units
 and vocabulary over `tensor`) and checks each parameter is where its axes
 put it.
