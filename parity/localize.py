@@ -123,8 +123,7 @@ def _nnx_intercept(model: nnx.Module, recorder: _Recorder, rename: Callable[[str
   """Each module class's `__call__` wrapped (restored on exit); outermost call per instance recorded."""
   names = {}
   for path, node in nnx.iter_graph(model):
-    callable_ = any('__call__' in c.__dict__ for c in type(node).__mro__)
-    if isinstance(node, nnx.Module) and id(node) not in names and callable_:
+    if isinstance(node, nnx.Module) and id(node) not in names and scopes.call_owner(node):
       names[id(node)] = rename('/'.join(str(p) for p in path))
   active: set[int] = set()
 

@@ -21,6 +21,11 @@ import jax
 from flax import nnx
 
 
+def call_owner(module: nnx.Module) -> type | None:
+  """The class in `module`'s MRO that defines `__call__` (None: not callable, e.g. a container)."""
+  return next((c for c in type(module).__mro__ if '__call__' in c.__dict__), None)
+
+
 @contextlib.contextmanager
 def patched_module_calls(sample: nnx.Module, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
   """Each module class found in `sample` with its `__call__` replaced by `wrap(original)`.
@@ -31,7 +36,7 @@ def patched_module_calls(sample: nnx.Module, wrap: Callable[[Callable], Callable
   classes = {}
   for _, node in nnx.iter_graph(sample):
     if isinstance(node, nnx.Module):
-      owner = next((c for c in type(node).__mro__ if '__call__' in c.__dict__), None)
+      owner = call_owner(node)
       if owner is not None:  # not callable: containers, rng holders
         classes[owner] = owner.__dict__['__call__']
   try:

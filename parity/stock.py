@@ -266,11 +266,10 @@ class StockNnx(_Stock):
     Only the debug locations differ from `lower_train_step` (parity/scopes.py);
     the program comparison reads them to keep a declared difference inside its modules.
     """
-    fresh = self._jit(lambda *args: self._train_fn(*args), state_out=True)
     sample = self._merge(self.template)[0]
-    # Traced anew (the user's step may be an `nnx.jit` that keeps its trace).
-    with self._context(), compat.fresh_trace(), scopes.nnx_module_scopes(sample, self.renames.to_linen):
-      return fresh.lower(state, batch, dropout_base)
+    # Traced anew: in the same trace context every jit, the user's `nnx.jit` too, reuses its trace.
+    with compat.fresh_trace(), scopes.nnx_module_scopes(sample, self.renames.to_linen):
+      return self.lower_train_step(state, batch, dropout_base)
 
   @functools.cached_property
   def _eval_step(self):
