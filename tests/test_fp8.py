@@ -187,17 +187,16 @@ def test_fp8_with_gradient_accumulation_is_refused():
       module.make_train_step(model_cfg, train_cfg)
 
 
-
 def test_the_cpu_keeps_the_e5m2_gradients_denormals():
   """The 05_fp8 golden record needs half-precision denormals kept, as x86 CPUs keep them.
 
   The e5m2 output gradients here are about 2**-16: e5m2 (and float16)
   denormals. XLA:CPU converts bf16 to e5m2 through float16, with the MXCSR's
   flush-to-zero and denormals-are-zero bits set; the F16C conversions
-  (vcvtps2ph, vcvtph2ps) ignore those bits on every x86 CPU (Intel's manual),
-  so the denormals survive. qemu 7.2 flushes them, and under it 05_fp8 leaves
-  its record (tests/test_scenarios.py). Where this test fails, so will that
-  record, and this is why.
+  (vcvtps2ph, vcvtph2ps) ignore those bits, as Intel's manual specifies, so
+  the denormals survive. qemu 7.2 flushes them: there this test fails, and
+  05_fp8 leaves its record from step 2 (tests/test_scenarios.py). A host
+  where this fails cannot reproduce that record, and this says why.
   """
   values = np.array([2.0**-16, 2.0**-15, 3 * 2.0**-16, -(2.0**-16), 2.0**-13] * 8, np.float32)
   for dtype in (jnp.float32, jnp.bfloat16):
