@@ -12,8 +12,8 @@ Four needs, each named here:
   EPYC (AVX-512, avx512_bf16), on the same machine pinned to one core, and
   under qemu's Intel Haswell model (another vendor, cache sizes and no
   AVX-512) for every scenario but 05_fp8, which leaves its record there
-  from step 2 because qemu flushes float16 denormals that x86 CPUs keep
-  (tests/test_scenarios.py). Any x86-64 CPU with
+  from step 2 because qemu flushes float16 denormals that the F16C
+  conversions keep on x86 CPUs by Intel's manual (tests/test_scenarios.py). Any x86-64 CPU with
   AVX2 and FMA runs them; the suite and the golden records use them. Not
   covered: other architectures (ARM), and real second CPUs beyond these.
 * **Deterministic GPU** (`GPU_DETERMINISTIC_FLAGS`): XLA:GPU's scatter and
