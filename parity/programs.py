@@ -353,10 +353,10 @@ class _Canonicalizer:
     """An operation of a module left out of the comparison: one opaque value per result."""
     out = [f'{_PLACEHOLDER} = parity.opaque "{module}"']
     token = _hash('\n'.join(out))
-    defs = []
-    for i, (name, _) in enumerate(def_names):
-      suffix = f'_{i}' if len(def_names) > 1 else ''
-      defs.append((name, f'%v{token}' if not suffix else f'%v{_hash(token + suffix)}'))
+    if len(def_names) == 1:
+      defs = [(def_names[0][0], f'%v{token}')]
+    else:  # a value per result
+      defs = [(name, f'%v{_hash(f"{token}_{i}")}') for i, (name, _) in enumerate(def_names)]
     return _Statement(lines=out, defs=defs, refs=set(), token=token, terminator=False, side_effect=False)
 
   def _generic(self, parts, scope, depth) -> tuple[list[str], dict[int, int] | None]:
