@@ -106,10 +106,12 @@ def main(argv=None) -> int:
       break
 
   venv_python = os.path.join(clone, '.venv-suite-time', 'bin', 'python')
-  versions = subprocess.run(
-      [venv_python, '-c', 'import sys, jax, flax; print(sys.version.split()[0], jax.__version__, flax.__version__)'],
-      capture_output=True, text=True,
-  ).stdout.split()
+  versions = []
+  if os.path.exists(venv_python):  # absent when the venv could not be made
+    versions = subprocess.run(
+        [venv_python, '-c', 'import sys, jax, flax; print(sys.version.split()[0], jax.__version__, flax.__version__)'],
+        capture_output=True, text=True,
+    ).stdout.split()
   figures = {
       'commit': head,
       'python': versions[0] if versions else None,
