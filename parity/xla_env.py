@@ -60,6 +60,12 @@ EPYC, jax 0.10.2; a tiny-preset train step compiles in 2.9 s by default):
   jax 0.12 (Python 3.12) 9 of the 11 scenarios' losses change. The records
   would all be taken again, and their portability (checked under qemu with
   the default) would be unchecked.
+* `--xla_llvm_disable_expensive_passes=true` and
+  `--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE` (jax 0.10.2): the
+  tiny-preset train steps compiled in the same time as by default (2.44 s
+  and 2.41 s against 2.45 s and 2.40 s). In a profile of such a compile, HLO
+  passes took about 0.1 s; LLVM's IR passes, its machine-code emission and
+  the MLIR fusion emitters took most of the rest.
 """
 from __future__ import annotations
 
