@@ -53,6 +53,14 @@ def initialize_from_env() -> bool:
       # Every process on this machine, one cache directory: each process
       # keeps its own compiles (jax keeps process 0's only; see compat).
       compat.cache_compiles_of_every_process()
+  if coordinator.startswith(launcher.LOOPBACK + ':'):
+    # The launcher stops the other processes of a failed run with SIGTERM.
+    # jax's preemption service (on by default) catches SIGTERM as a notice
+    # to reach a preemption sync point and goes on running; parity has no
+    # such point, so a process kept running until the launcher's SIGKILL
+    # after its grace period (measured: 5 s longer for every failed run).
+    # Off for runs on this machine: SIGTERM then ends a process at once.
+    jax.config.update('jax_enable_preemption_service', False)
   jax.distributed.initialize(coordinator, num_processes=count, process_id=index)
   return True
 
