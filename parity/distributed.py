@@ -41,6 +41,7 @@ def initialize_from_env() -> bool:
   if found is None:
     return False
   coordinator, count, index = found
+  on_this_machine = coordinator.startswith(launcher.LOOPBACK + ':')  # started by parity.launcher
   # CPU collectives between processes (accelerators use their own interconnect).
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   # A precaution: executables compiled under a multi-process runtime are kept
@@ -49,11 +50,11 @@ def initialize_from_env() -> bool:
   cache_dir = jax.config.jax_compilation_cache_dir
   if cache_dir:
     jax.config.update('jax_compilation_cache_dir', os.path.join(cache_dir, f'processes-{count}'))
-    if coordinator.startswith(launcher.LOOPBACK + ':'):
+    if on_this_machine:
       # Every process on this machine, one cache directory: each process
       # keeps its own compiles (jax keeps process 0's only; see compat).
       compat.cache_compiles_of_every_process()
-  if coordinator.startswith(launcher.LOOPBACK + ':'):
+  if on_this_machine:
     # The launcher stops the other processes of a failed run with SIGTERM.
     # jax's preemption service (on by default) catches SIGTERM as a notice
     # to reach a preemption sync point and goes on running; parity has no
