@@ -71,7 +71,8 @@ def main(argv=None) -> int:
   parser.add_argument('--python', default='python3', help='interpreter for the venv (make PYTHON=...)')
   parser.add_argument('--warm-runs', type=int, default=1, help='warm runs after the cold one')
   parser.add_argument('--json', help='write the figures here as JSON')
-  parser.add_argument('--scratch', help='directory for the clone, cache and logs, kept afterwards (default: a new temporary one, removed when every run passed)')
+  parser.add_argument('--scratch', help='directory for the clone, cache and logs, kept afterwards'
+                      ' (default: a new temporary one, removed when every run passed)')
   args = parser.parse_args(argv)
 
   scratch = args.scratch or tempfile.mkdtemp(prefix='suite-time-')
