@@ -9,6 +9,8 @@
   workers do not preallocate accelerator memory. Only the hardware tier
   (`pytest -m hardware`, or its alias `-m tpu`) uses the accelerator, with
   the deterministic GPU flags set here.
+* Python's garbage collector runs less often while the workers trace
+  (parity/gc_tuning.py).
 
 pytest-xdist workers import this file too, so they get the same environment.
 """
@@ -16,7 +18,7 @@ import getpass
 import os
 import tempfile
 
-from parity import xla_env
+from parity import gc_tuning, xla_env
 
 xla_env.add_flags(
     (xla_env.host_device_count_flag(xla_env.SUITE_CPU_DEVICES),)
@@ -47,6 +49,9 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 # 8 GiB is far above the suite's use (about 0.1 GiB).
 os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(8 * 2**30))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+
+# Fewer garbage collections while tracing (parity/gc_tuning.py: 6 % of the warm suite).
+gc_tuning.tune()
 
 HARDWARE_MARKERS = ('hardware', 'tpu')  # `tpu` is the tier's older name, kept as an alias
 

@@ -1,0 +1,34 @@
+"""Python's garbage collector, tuned for processes that trace many jax programs.
+
+Tracing and lowering a train step allocate hundreds of thousands of small
+Python objects (jaxpr equations, tracers, MLIR wrappers), and a jax process
+keeps a large heap of long-lived ones (jax, flax, optax and orbax, the
+traced and cached programs). With Python's default thresholds (700, 10, 10)
+the collector runs thousands of times per test worker, and each full
+collection walks that whole heap. Measured on a 2-core machine, Python 3.11,
+warm compilation cache: the suite's two workers spent 18.7 s collecting
+(16,000 young and 63 full collections); with `THRESHOLDS` 3.6 s (about 2,000
+and 15), and the suite's wall time went from 111 s to 105 s.
+
+Nothing else changes: objects are freed by reference counting as before, and
+the collector still finds every cycle, later. Numerics are not involved.
+"""
+from __future__ import annotations
+
+import gc
+
+# (young objects allocated before a young collection, young collections per
+# middle one, middle ones per full one); Python's defaults are (700, 10, 10).
+THRESHOLDS = (10_000, 50, 50)
+
+
+def tune() -> None:
+  """Raises this process's thresholds to `THRESHOLDS`.
+
+  A threshold already set higher is kept, and so is a collector turned off
+  by a first threshold of 0.
+  """
+  current = gc.get_threshold()
+  if current[0] == 0:
+    return
+  gc.set_threshold(*(max(c, t) for c, t in zip(current, THRESHOLDS)))
