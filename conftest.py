@@ -50,7 +50,7 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(8 * 2**30))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
-# Fewer garbage collections while tracing (parity/gc_tuning.py: 6 % of the warm suite).
+# Fewer garbage collections while tracing (parity/gc_tuning.py: about 8 % of the warm suite).
 gc_tuning.tune()
 
 HARDWARE_MARKERS = ('hardware', 'tpu')  # `tpu` is the tier's older name, kept as an alias

@@ -6,9 +6,12 @@ keeps a large heap of long-lived ones (jax, flax, optax and orbax, the
 traced and cached programs). With Python's default thresholds (700, 10, 10)
 the collector runs thousands of times per test worker, and each full
 collection walks that whole heap. Measured on a 2-core machine, Python 3.11,
-warm compilation cache: the suite's two workers spent 18.7 s collecting
-(16,000 young and 63 full collections); with `THRESHOLDS` 3.6 s (about 2,000
-and 15), and the suite's wall time went from 111 s to 105 s.
+warm compilation cache, the whole suite in two interleaved pairs of runs:
+with the defaults the two workers spent 23 to 24 s collecting (about 15,000
+young and 50 full collections) and the suite took 139 s and 138 s; with
+`THRESHOLDS` 4 s (about 700 and 3) and 124 s and 130 s. Python 3.12, the
+decoder's battery alone: 25.7 s against 22.9 s. The `parity` command keeps
+Python's defaults: a warm 2-process `parity compare` took as long with these.
 
 Nothing else changes: objects are freed by reference counting as before, and
 the collector still finds every cycle, later. Numerics are not involved.
