@@ -66,6 +66,15 @@ EPYC, jax 0.10.2; a tiny-preset train step compiles in 2.9 s by default):
   and 2.41 s against 2.45 s and 2.40 s). In a profile of such a compile, HLO
   passes took about 0.1 s; LLVM's IR passes, its machine-code emission and
   the MLIR fusion emitters took most of the rest.
+* No change either (jax 0.10.2; the Linen and NNX 01_baseline train steps,
+  2.44 to 2.49 s by default, 2.43 to 2.63 s with each):
+  `--xla_cpu_parallel_codegen_split_count=1`,
+  `--xla_llvm_enable_{alias_scope,noalias,invariant_load}_metadata=false`,
+  `--xla_cpu_prefer_vector_width=128`, `--xla_cpu_use_thunk_runtime=false`,
+  `--xla_cpu_experimental_enable_tiling_propagation=false`,
+  `--xla_cpu_copy_insertion_use_region_analysis=false`,
+  `--xla_cpu_enable_concurrency_optimized_scheduler=false`. jax 0.12 no
+  longer knows `--xla_cpu_use_fusion_emitters`.
 """
 from __future__ import annotations
 
