@@ -14,7 +14,9 @@ decoder's battery alone: 25.7 s against 22.9 s. The `parity` command keeps
 Python's defaults: a warm 2-process `parity compare` took as long with these.
 
 Nothing else changes: objects are freed by reference counting as before, and
-the collector still finds every cycle, later. Numerics are not involved.
+the collector still finds every cycle, later (a worker's peak resident
+memory, decoder battery and program parity: 1.93 GB against 1.89 GB).
+Numerics are not involved.
 """
 from __future__ import annotations
 
