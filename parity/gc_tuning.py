@@ -9,7 +9,9 @@ collection walks that whole heap. Measured on a 2-core machine, Python 3.11,
 warm compilation cache, the whole suite in two interleaved pairs of runs:
 with the defaults the two workers spent 23 to 24 s collecting (about 15,000
 young and 50 full collections) and the suite took 139 s and 138 s; with
-`THRESHOLDS` 4 s (about 700 and 3) and 124 s and 130 s. Python 3.12, the
+`THRESHOLDS` 4 s (about 700 and 3) and 124 s and 130 s. From an empty
+cache, where compiling dominates, three interleaved pairs differed by +34,
++12 and -38 s: nothing beyond the machine's spread. Python 3.12, the
 decoder's battery alone: 25.7 s against 22.9 s. The `parity` command keeps
 Python's defaults: a warm 2-process `parity compare` took as long with these.
 
