@@ -145,6 +145,15 @@ def test_convert_reads_a_two_process_checkpoint(runs):
 # Failure handling (the launcher with small commands; no jax)
 # ---------------------------------------------------------------------------
 
+# A process of a launched run: 2 CPU devices, joined through parity.distributed.
+JOIN_A_JAX_RUN = (
+    'import os\n'
+    'os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"\n'
+    'from parity import distributed\n'
+    'assert distributed.initialize_from_env()\n'
+)
+
+
 def _script(body: str) -> list[str]:
   return [sys.executable, '-c', body]
 
@@ -269,10 +278,7 @@ def test_no_process_or_port_is_left_after_a_multi_process_jax_run(tmp_path):
   """Two processes join through the coordinator and exit; its port is free again."""
   port = launcher.free_port()
   body = (
-      'import os\n'
-      'os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"\n'
-      'from parity import distributed\n'
-      'assert distributed.initialize_from_env()\n'
+      JOIN_A_JAX_RUN +
       'import jax\n'
       'print(os.getpid(), jax.process_index(), jax.process_count(), jax.device_count(), flush=True)\n'
   )
@@ -298,10 +304,8 @@ def test_a_process_of_a_jax_run_ends_at_the_launchers_sigterm(tmp_path):
   that, process 1 here would survive its SIGTERM and the run would pass.
   """
   body = (
-      'import os, signal, time\n'
-      'os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"\n'
-      'from parity import distributed\n'
-      'assert distributed.initialize_from_env()\n'
+      JOIN_A_JAX_RUN +
+      'import signal, time\n'
       'import jax\n'
       'print("joined", jax.process_index(), flush=True)\n'
       'if jax.process_index() == 1:\n'
@@ -325,10 +329,7 @@ def test_every_process_finds_its_programs_in_the_cache_on_the_next_run(tmp_path)
   `parity compare` took 18 s, 7.4 s with it).
   """
   body = (
-      'import os\n'
-      'os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"\n'
-      'from parity import distributed\n'
-      'assert distributed.initialize_from_env()\n'
+      JOIN_A_JAX_RUN +
       'import jax, jax.numpy as jnp\n'
       'hits = []\n'
       'jax.monitoring.register_event_listener(\n'
