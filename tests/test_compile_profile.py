@@ -1,0 +1,56 @@
+"""benchmarks/compile_profile.py: jax's events sorted into traces, lowerings, compiles and cache loads."""
+import importlib.util
+import pathlib
+
+import jax
+import pytest
+
+PATH = pathlib.Path(__file__).resolve().parent.parent / 'benchmarks' / 'compile_profile.py'
+
+
+@pytest.fixture
+def profile(monkeypatch):
+  spec = importlib.util.spec_from_file_location('compile_profile_under_test', PATH)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  monkeypatch.setattr(module, '_current', ['tests/test_x.py::test_y'])
+  return module
+
+
+def test_a_compile_after_a_cache_retrieval_is_a_load(profile):
+  listen = profile._listener
+  listen('/jax/core/compile/jaxpr_trace_duration', 0.5, fun_name='train_step')
+  listen('/jax/core/compile/jaxpr_to_mlir_module_duration', 0.25, fun_name='jit(train_step)')
+  listen('/jax/core/compile/backend_compile_duration', 4.0, fun_name='jit(train_step)')
+  listen(profile.RETRIEVAL, 0.01)
+  listen('/jax/core/compile/backend_compile_duration', 0.04, fun_name='jit(eval_step)')
+  listen('/jax/core/compile/backend_compile_duration', 2.0, fun_name='jit(eval_step)')
+  listen('/jax/some/other_event', 9.0)
+  assert profile._records == [
+      ('tests/test_x.py::test_y', 'trace', 'train_step', 0.5),
+      ('tests/test_x.py::test_y', 'lower', 'train_step', 0.25),
+      ('tests/test_x.py::test_y', 'compile', 'train_step', 4.0),
+      ('tests/test_x.py::test_y', 'load', 'eval_step', 0.04),
+      ('tests/test_x.py::test_y', 'compile', 'eval_step', 2.0),
+  ]
+  summary = profile.summarise(profile._records)
+  assert '1 trace, 1 lower, 2 compile, 1 load' in summary
+  assert 'eval_step (1 compiled, 1 loaded)' in summary
+  assert '6.8' in summary.splitlines()[2]  # the total of every kind
+
+
+def test_the_events_it_listens_to_are_the_ones_jax_sends(profile, monkeypatch):
+  """A renamed event in a jax release would make the profile silently empty."""
+  seen = []
+  monkeypatch.setattr(profile, '_listener', lambda event, duration, **kw: seen.append(event))
+  listener = lambda event, duration, **kw: profile._listener(event, duration, **kw)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    # Two jitted functions of one program: the second at least is loaded from
+    # the suite's persistent cache (conftest.py).
+    for _ in range(2):
+      jax.jit(lambda x: x * 5 + 2)(3.0).block_until_ready()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  for event in (*profile.EVENTS, profile.RETRIEVAL):
+    assert event in seen, (event, sorted(set(seen)))
