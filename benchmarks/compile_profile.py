@@ -1,6 +1,8 @@
 """Where the suite's jax time goes: tracing, lowering, compiling and cache loads, per test and program.
 
-  python benchmarks/compile_profile.py [--cold] [--out DIR] [-- PYTEST_ARGS...]
+  .venv/bin/python benchmarks/compile_profile.py [--cold] [--out DIR] [-- PYTEST_ARGS...]
+
+(any Python with the project's test extra installed, as `make test` makes .venv).
 
 Runs pytest (by default as `make test` does: `-n auto --hardware-on-cpu`)
 with this file loaded as a plugin in every worker. The plugin listens to
@@ -30,6 +32,8 @@ import sys
 import tempfile
 import threading
 
+import pytest
+
 OUT_ENV = 'PARITY_COMPILE_PROFILE_DIR'
 EVENTS = {
     '/jax/core/compile/jaxpr_trace_duration': 'trace',
@@ -46,6 +50,7 @@ KINDS = ('trace', 'lower', 'compile', 'load')
 _state = threading.local()
 _records: list[tuple[str, str, str, float]] = []  # (test id, kind, function, seconds)
 _current = ['(collection)']
+_PATH = pytest.StashKey[str]()
 
 
 def _listener(event, duration, **kwargs):
@@ -86,14 +91,6 @@ def pytest_unconfigure(config):
   if path:
     with open(path, 'w') as f:
       json.dump(_records, f)
-
-
-try:
-  import pytest
-
-  _PATH = pytest.StashKey[str]()
-except ImportError:  # pragma: no cover - the summary alone needs no pytest
-  _PATH = None
 
 # ---------------------------------------------------------------------------
 # The runner and its summary
