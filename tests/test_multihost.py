@@ -145,15 +145,6 @@ def test_convert_reads_a_two_process_checkpoint(runs):
 # Failure handling (the launcher with small commands; no jax)
 # ---------------------------------------------------------------------------
 
-# A process of a launched run: 2 CPU devices, joined through parity.distributed.
-JOIN_A_JAX_RUN = (
-    'import os\n'
-    'os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"\n'
-    'from parity import distributed\n'
-    'assert distributed.initialize_from_env()\n'
-)
-
-
 def _script(body: str) -> list[str]:
   return [sys.executable, '-c', body]
 
@@ -271,6 +262,19 @@ def test_a_process_killed_while_saving_leaves_no_partial_checkpoint(tmp_path):
     extra = [p.name for p in (ckpt / side).iterdir() if p.name.isdigit() and p.name not in listed]
     assert not extra, f'{side}: step directories Orbax does not list: {extra}'
     manager.close()
+
+
+# ---------------------------------------------------------------------------
+# Small jax runs: nothing left behind, SIGTERM ends a process, the cache
+# ---------------------------------------------------------------------------
+
+# A process of a launched run: 2 CPU devices, joined through parity.distributed.
+JOIN_A_JAX_RUN = (
+    'import os\n'
+    'os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"\n'
+    'from parity import distributed\n'
+    'assert distributed.initialize_from_env()\n'
+)
 
 
 @OWN_RUNS
