@@ -71,9 +71,12 @@ def pytest_configure(config):
       raise pytest.UsageError(f'--parity-parts: unknown part(s) {unknown}; parts: {", ".join(battery.PARTS)}')
 
 
+_MAP_GUARD = map_limit.Guard()
+
+
 def pytest_runtest_teardown(item, nextitem):
   del item, nextitem
-  map_limit.release_programs_near_limit()
+  _MAP_GUARD.after_test()
 
 
 class _Battery:

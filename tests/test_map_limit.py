@@ -31,3 +31,54 @@ def test_released_programs_are_unmapped_and_compute_the_same_bits():
   after = [f(x) for f in functions]
   for b, a in zip(before, after):
     assert_bitwise_equal(b, a)
+
+
+def _fake_counts(monkeypatch, count):
+  """map_count returns `count[0]`; returns the list of counts read."""
+  reads = []
+  monkeypatch.setattr(map_limit, 'map_count', lambda: reads.append(count[0]) or count[0])
+  monkeypatch.setattr(map_limit, 'map_limit', lambda: 65530)
+  return reads
+
+
+def test_the_guard_reads_less_often_the_further_below_the_threshold(monkeypatch):
+  count = [1000]
+  reads = _fake_counts(monkeypatch, count)
+  guard = map_limit.Guard()
+  skipped = (65530 // 2 - 1000) // map_limit.MAPS_PER_TEST_BOUND
+  assert skipped >= 2
+  for _ in range(skipped + 2):
+    assert not guard.after_test()
+  assert len(reads) == 2  # the first test and the one after the skipped ones
+
+  count[0] = 65530 // 2 - 10  # near the threshold: a read after every test
+  reads.clear()
+  guard = map_limit.Guard()
+  for _ in range(3):
+    assert not guard.after_test()
+  assert len(reads) == 3
+
+
+def test_the_guard_reads_more_often_after_a_large_growth(monkeypatch):
+  count = [1000]
+  reads = _fake_counts(monkeypatch, count)
+  guard = map_limit.Guard()
+  guard.after_test()
+  assert guard.skip >= 2
+  for _ in range(guard.skip):
+    guard.after_test()
+  count[0] += 3 * map_limit.MAPS_PER_TEST_BOUND  # added between the two reads
+  guard.after_test()
+  assert len(reads) == 2
+  assert guard.skip == (65530 // 2 - count[0]) // (3 * map_limit.MAPS_PER_TEST_BOUND)
+
+
+def test_the_guard_clears_above_the_threshold(monkeypatch):
+  import jax
+
+  count = [65530 // 2 + 1]
+  _fake_counts(monkeypatch, count)
+  cleared = []
+  monkeypatch.setattr(jax, 'clear_caches', lambda: cleared.append(True))
+  assert map_limit.Guard().after_test()
+  assert cleared == [True]
