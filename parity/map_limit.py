@@ -90,7 +90,6 @@ class Guard:
     self.fraction = fraction
     self.bound = MAPS_PER_TEST_BOUND
     self.skip = 0
-    self.reads = 0
     self._last: int | None = None
 
   def after_test(self) -> bool:
@@ -98,7 +97,6 @@ class Guard:
     if self.skip > 0:
       self.skip -= 1
       return False
-    self.reads += 1
     cleared, count = _release_if_over(self.fraction)
     if cleared or count is None:
       self._last = None
