@@ -177,6 +177,7 @@ def cmd_compare(args) -> int:
       on_step=progress.step, on_phase=progress.phase, mesh=mesh,
       checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
       state_digest=args.state_digest, resume_from=_resume(args),
+      program_diff=not args.no_program_check,
   )
   try:
     if pair is None:
@@ -384,6 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
   compare.add_argument('--numbers-only', action='store_true',
                        help='exit 0 when the numbers are bit-identical, even if memory or the'
                             ' program differs (both are still reported)')
+  compare.add_argument('--no-program-check', action='store_true',
+                       help='do not compare the two train steps\' programs (each side\'s step is'
+                            ' then traced once, not twice, and not canonicalised: quicker on a'
+                            ' large model); memory is still compared, and the report says'
+                            ' "not compared"')
   compare.add_argument('--nondeterministic-gpu', action='store_true',
                        help='on a GPU, leave XLA free to pick nondeterministic kernels (default:'
                             ' --xla_gpu_deterministic_ops=true, needed for bitwise runs)')

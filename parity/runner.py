@@ -261,8 +261,9 @@ class CompiledStep:
   text: str  # lowered StableHLO of the program as run
   lower_s: float
   compile_s: float
-  compared_text: str  # what the program diff reads (see `comparison_lowering`)
-  argument_names: list[str]  # per argument of the compared program's @main
+  # What the program diff reads (see `comparison_lowering`); None when not asked for.
+  compared_text: str | None
+  argument_names: list[str] | None  # per argument of the compared program's @main
 
   @property
   def batch_sharding(self) -> Any:
@@ -276,13 +277,22 @@ class CompiledStep:
     return cost_flops(self.executable)
 
 
-def compile_step(side: Any, state: Any, batch: Any, dropout_base: Any) -> CompiledStep:
+def compile_step(
+    side: Any, state: Any, batch: Any, dropout_base: Any, *, compare_program: bool = True
+) -> CompiledStep:
+  """The side's train step lowered and compiled, and (`compare_program`) its comparison lowering.
+
+  The comparison lowering traces the step a second time (on
+  `side.comparison_state`); a run that compares no programs skips it.
+  """
   start = time.perf_counter()
   lowered = side.lower_train_step(state, batch, dropout_base)
   lowered_at = time.perf_counter()
   executable = lowered.compile()
   done = time.perf_counter()
-  compared, names = comparison_lowering(side, state, batch, dropout_base)
+  compared, names = (
+      comparison_lowering(side, state, batch, dropout_base) if compare_program else (None, None)
+  )
   return CompiledStep(
       executable, lowered.as_text(), lowered_at - start, done - start, compared, names
   )
@@ -320,6 +330,8 @@ def program_diff_of(
   `opaque_modules`: module paths whose operations are not compared (see
   `programs.canonicalize`).
   """
+  if linen.compared_text is None or nnx.compared_text is None:
+    raise ValueError('program_diff_of needs both steps compiled with compare_program=True')
   return programs.diff(
       linen.compared_text, nnx.compared_text,
       linen_args=linen.argument_names, nnx_args=nnx.argument_names, allowed=programs.ALLOWED,
@@ -548,7 +560,9 @@ def compare_sides(
   compiled = {}
   for name in SIDES:
     say(f'compiling the {name} train step')
-    compiled[name] = compile_step(sides[name], states[name], first_batch, dropout_base)
+    compiled[name] = compile_step(
+        sides[name], states[name], first_batch, dropout_base, compare_program=program_diff
+    )
     runs[name].lower_s = compiled[name].lower_s
     runs[name].compile_s = compiled[name].compile_s
   device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]

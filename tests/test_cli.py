@@ -251,3 +251,14 @@ def test_compare_of_a_diverging_pair_exits_1(capsys):
 def test_a_bad_pair_is_one_clear_error(spec, message, capsys):
   assert cli.main(['compare', '--pair', spec]) == 2
   assert message in capsys.readouterr().err
+
+
+def test_compare_without_the_program_check_says_not_compared(capsys, tmp_path):
+  """`--no-program-check`: the numbers and memory are compared, the programs are not."""
+  report = tmp_path / 'report.json'
+  assert cli.main(['compare', '--steps', '2', '--no-program-check', '--json', str(report)]) == 0
+  assert 'Train-step program' in capsys.readouterr().out
+  data = json.loads(report.read_text())
+  assert data['bitwise_equal'] is True
+  assert data['programs_identical'] is None and data['program_verdict'] == 'not compared'
+  assert data['memory_verdict'] == 'equal to the byte'

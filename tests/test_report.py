@@ -11,6 +11,7 @@ import statistics
 
 import jax
 import numpy as np
+import pytest
 
 from models import data, rng
 from models.config import get_configs
@@ -129,10 +130,21 @@ def test_analytic_flops_agree_with_xla_cost_analysis():
   linen, _ = runner.sides_for(model_cfg, train_cfg, None)
   state = linen.init(0)
   batch = as_jax_batch(data.make_batch(model_cfg, train_cfg, 0))
-  xla = runner.compile_step(linen, state, batch, rng.base_key(0)).cost_flops()
+  xla = runner.compile_step(linen, state, batch, rng.base_key(0), compare_program=False).cost_flops()
   analytic = flops.train_step_flops(model_cfg, train_cfg)
   assert analytic.weights > 0 and analytic.attention > 0
   assert 1.0 <= xla / analytic.total <= 1.15, (xla, analytic.total)
+
+
+def test_a_step_compiled_without_its_comparison_has_no_program_to_diff():
+  """`compare_program=False` skips the comparison lowering; diffing such a step is an error."""
+  model_cfg, train_cfg = get_configs('tiny', '02_unscanned')
+  linen, _ = runner.sides_for(model_cfg, train_cfg, None)
+  batch = as_jax_batch(data.make_batch(model_cfg, train_cfg, 0))
+  step = runner.compile_step(linen, linen.init(0), batch, rng.base_key(0), compare_program=False)
+  assert step.compared_text is None and step.argument_names is None
+  with pytest.raises(ValueError, match='compare_program=True'):
+    runner.program_diff_of(step, step)
 
 
 # ---------------------------------------------------------------------------

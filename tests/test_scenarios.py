@@ -149,7 +149,7 @@ def test_grad_accum_matches_one_big_batch_within_bound():
   model_cfg, train_cfg = get_configs('tiny', '01_baseline')
   accum_train_cfg = replace(train_cfg, grad_accum_steps=4)
   one = _run('01_baseline').linen.losses
-  four = run_compare(model_cfg, accum_train_cfg, steps=3).linen.losses
+  four = run_compare(model_cfg, accum_train_cfg, steps=3, program_diff=False).linen.losses
   for step, (a, b) in enumerate(zip(one, four)):
     bound = 1e-5 if step < 2 else 1e-3
     assert abs(a - b) <= bound * abs(a), (step, a, b)
