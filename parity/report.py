@@ -215,8 +215,9 @@ class Report:
         ' position of the batch; FLOPs are analytic (parity/flops.py).',
         'Memory: XLA memory analysis of each compiled train step (per device); the verdict'
         ' compares arguments, outputs, temporaries, aliased and peak bytes.',
-        'Program: both train steps canonicalised (arguments named by state path) and'
-        ' compared; allowed: ' + '; '.join(f'{a.name} ({a.reason})' for a in programs.ALLOWED),
+        ('Program: both train steps canonicalised (arguments named by state path) and'
+         ' compared; allowed: ' + '; '.join(f'{a.name} ({a.reason})' for a in programs.ALLOWED))
+        if r.program_diff is not None else 'Program: not compared (the run skipped it).',
         f'XLA flags (both sides): {" ".join(self.xla_flags) or "(none)"}',
     ]
     if r.flops is not None:

@@ -257,7 +257,9 @@ def test_compare_without_the_program_check_says_not_compared(capsys, tmp_path):
   """`--no-program-check`: the numbers and memory are compared, the programs are not."""
   report = tmp_path / 'report.json'
   assert cli.main(['compare', '--steps', '2', '--no-program-check', '--json', str(report)]) == 0
-  assert 'Train-step program' in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert 'Train-step program' in out and '- Program: not compared' in out
+  assert 'canonicalised' not in out
   data = json.loads(report.read_text())
   assert data['bitwise_equal'] is True
   assert data['programs_identical'] is None and data['program_verdict'] == 'not compared'
