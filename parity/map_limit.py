@@ -51,15 +51,15 @@ def release_programs_near_limit(fraction: float = 0.5) -> bool:
 
   Returns whether it cleared them. Does nothing if jax is not imported.
   """
-  return _release_if_over(fraction)[0]
+  return _release_if_over(fraction * map_limit())[0]
 
 
-def _release_if_over(fraction: float) -> tuple[bool, int | None]:
+def _release_if_over(threshold: float) -> tuple[bool, int | None]:
   """(whether jax's caches were cleared, the map count read); (False, None) without a read."""
   if 'jax' not in sys.modules:
     return False, None
   count = map_count()
-  if count is None or count <= fraction * map_limit():
+  if count is None or count <= threshold:
     return False, count
   import gc
 
@@ -97,12 +97,13 @@ class Guard:
     if self.skip > 0:
       self.skip -= 1
       return False
-    cleared, count = _release_if_over(self.fraction)
+    threshold = self.fraction * map_limit()
+    cleared, count = _release_if_over(threshold)
     if cleared or count is None:
       self._last = None
       return cleared
     if self._last is not None:
       self.bound = max(self.bound, count - self._last)
     self._last = count
-    self.skip = int(self.fraction * map_limit() - count) // self.bound
+    self.skip = int(threshold - count) // self.bound
     return False

@@ -20,8 +20,8 @@ rows of every batch. Measured here (tiny preset, mesh data=2,fsdp=4):
 The runs judge numbers only (`--numbers-only`, as before) and skip the
 program comparison they never judged (`--no-program-check`; programs are
 compared in one process, tests/test_program_parity.py and tests/test_cli.py):
-a warm 2-process run alone took 9.4 and 10.0 s with it, 10.7 and 11.5 s
-without (each step is traced once instead of twice).
+a warm 2-process run alone took 9.4 and 10.0 s with that flag, 10.7 and
+11.5 s without (each step is traced once instead of twice).
 
 The comparisons that share the module's runs are one xdist group, the two
 runs that kill or inspect processes another; the launcher's own tests (small
@@ -235,8 +235,8 @@ def test_a_process_killed_while_saving_leaves_no_partial_checkpoint(tmp_path):
   """Process 1 is killed after the first committed save, while the next ones are written."""
   ckpt = tmp_path / 'ck'
   argv = [sys.executable, '-m', 'parity', 'compare', '--mesh', MESH, '--steps', '40',
-          '--checkpoint-every', '1', '--checkpoint-dir', str(ckpt), '--numbers-only', '--no-program-check',
-          '--processes', '2', '--timeout', str(TIMEOUT_S)]
+          '--checkpoint-every', '1', '--checkpoint-dir', str(ckpt),
+          '--numbers-only', '--no-program-check', '--processes', '2', '--timeout', str(TIMEOUT_S)]
   parent = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     deadline = time.monotonic() + TIMEOUT_S
