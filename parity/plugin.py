@@ -74,6 +74,7 @@ def pytest_configure(config):
 _MAP_GUARD = map_limit.Guard()
 
 
+@pytest.hookimpl(trylast=True)  # after the test's fixtures (and their patches) are torn down
 def pytest_runtest_teardown(item, nextitem):
   del item, nextitem
   _MAP_GUARD.after_test()

@@ -10,6 +10,8 @@ pytestmark = pytest.mark.skipif(
     map_limit.map_count() is None, reason='no /proc/self/maps: not Linux, no map limit to guard'
 )
 
+pytest_plugins = ['pytester']
+
 PROGRAMS = 40
 
 
@@ -82,3 +84,33 @@ def test_the_guard_clears_above_the_threshold(monkeypatch):
   monkeypatch.setattr(jax, 'clear_caches', lambda: cleared.append(True))
   assert map_limit.Guard().after_test()
   assert cleared == [True]
+
+
+PATCHED_COUNT = """
+import jax
+from parity import map_limit, plugin
+
+CLEARED = []
+
+
+def test_patches_the_count(monkeypatch):
+  plugin._MAP_GUARD.skip = 0  # the guard reads after this test
+  monkeypatch.setattr(map_limit, 'map_count', lambda: 10**9)
+  monkeypatch.setattr(jax, 'clear_caches', lambda: CLEARED.append(True))
+
+
+def test_the_guard_read_the_real_count():
+  assert CLEARED == []
+"""
+
+
+def test_the_plugins_guard_reads_after_the_tests_patches_are_undone(pytester):
+  """The plugin's guard runs after a test's fixtures are torn down.
+
+  Run before them, it read the counts a test had patched in (this module's
+  own tests patch them): its skip and growth bound then came from a made-up
+  count, and it could go unread far past the threshold.
+  """
+  pytester.makepyfile(test_patched=PATCHED_COUNT)
+  result = pytester.runpytest_inprocess('-p', 'no:cacheprovider')
+  result.assert_outcomes(passed=2)
