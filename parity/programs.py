@@ -232,6 +232,7 @@ class _Statement:
   side_effect: bool
   # `%name#k` -> `%token#j` where results are put in a canonical order.
   aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+  opaque_module: str | None = None  # set for an operation left out of the comparison
 
 
 # A reference to a value, or to one result of a multi-result operation.
@@ -289,6 +290,8 @@ class _Canonicalizer:
     # (function, operand names, depth) -> (name, argument order, result order)
     self._instances: dict[tuple, tuple[str, list[int], Any]] = {}
     self._first_use: dict[str, dict[str, tuple]] = {}
+    # An opaque value -> (its module, the values from outside the module it stands on).
+    self._opaque_inputs: dict[str, tuple[str, frozenset[str]]] = {}
 
   # -- statements and blocks -------------------------------------------------
 
@@ -303,7 +306,7 @@ class _Canonicalizer:
       header = _PLACEHOLDER + header[lhs.end(1):]
     marker = _OPAQUE.search(lines[-1])
     if marker and def_names:
-      return self._opaque(marker.group(1), def_names)
+      return self._opaque(marker.group(1), def_names, [header] + lines[1:], scope)
     if marker:  # no result to stand for: compared as any operation
       lines = lines[:-1] + [_OPAQUE.sub('', lines[-1])]
       header = _OPAQUE.sub('', header)
@@ -349,15 +352,43 @@ class _Canonicalizer:
         aliases=aliases,
     )
 
-  def _opaque(self, module: str, def_names: list[tuple[str, int | None]]) -> _Statement:
-    """An operation of a module left out of the comparison: one opaque value per result."""
-    out = [f'{_PLACEHOLDER} = parity.opaque "{module}"']
+  def _opaque(
+      self, module: str, def_names: list[tuple[str, int | None]], lines: list[str], scope: dict[str, str]
+  ) -> _Statement:
+    """An operation of a module left out of the comparison: an opaque value of the module's inputs.
+
+    Its value stands for "what `module` computes from these values from
+    outside it": the outside values it reads, directly or through other
+    operations of the module (which are not printed: only what leaves the
+    module is). So how the module computes is not compared, but what feeds
+    it is: an operation whose only user is inside the module stays live.
+    """
+    inputs: set[str] = set()
+    names: set[str] = set()
+    for line in lines:
+      for m in _REF.finditer(line):
+        if m.group(0) in scope:
+          value = scope[m.group(0)]
+        elif m.group(1) in scope:
+          value = scope[m.group(1)] + (m.group(2) or '')
+        else:  # a name bound inside the operation's own regions
+          continue
+        inside = self._opaque_inputs.get(value)
+        if inside is not None and inside[0] == module:
+          inputs |= inside[1]
+        else:
+          inputs.add(value)
+        names.add(m.group(1))
+    out = [f'{_PLACEHOLDER} = parity.opaque "{module}"({", ".join(sorted(inputs))})']
     token = _hash('\n'.join(out))
     if len(def_names) == 1:
       defs = [(def_names[0][0], f'%v{token}')]
     else:  # a value per result
       defs = [(name, f'%v{_hash(f"{token}_{i}")}') for i, (name, _) in enumerate(def_names)]
-    return _Statement(lines=out, defs=defs, refs=set(), token=token, terminator=False, side_effect=False)
+    for _, value in defs:
+      self._opaque_inputs[value] = (module, frozenset(inputs))
+    return _Statement(lines=out, defs=defs, refs=names, token=token, terminator=False, side_effect=False,
+                      opaque_module=module)
 
   def _generic(self, parts, scope, depth) -> tuple[list[str], dict[int, int] | None]:
     # Values bound by the structure (block arguments, reducer arguments) are
@@ -466,8 +497,20 @@ class _Canonicalizer:
     deps: list[set[int]] = []
     owner: dict[str, int] = {}  # value token -> defining statement
     transposes: dict[str, tuple[str, list[int]]] = {}  # token -> (operand, permutation)
+    # SSA name of an opaque value -> (module, the SSA names from outside the
+    # module it stands on): the module's own operations are not printed, what
+    # feeds them stays live.
+    opaque_refs: dict[str, tuple[str, frozenset[str]]] = {}
     for stmt_lines in _split_statements(lines):
       stmt = self._statement(stmt_lines, scope, depth)
+      if stmt.opaque_module is not None:
+        refs = set()
+        for n in stmt.refs:
+          inside = opaque_refs.get(n)
+          refs |= inside[1] if inside is not None and inside[0] == stmt.opaque_module else {n}
+        stmt = dataclasses.replace(stmt, refs=refs)
+        for name, _ in stmt.defs:
+          opaque_refs[name] = (stmt.opaque_module, frozenset(refs))
       transpose = _TRANSPOSE.match(stmt.lines[0])
       if transpose:
         operand, perm = transpose.group(1), [int(d) for d in transpose.group(2).split(',')]
