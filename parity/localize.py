@@ -39,8 +39,9 @@ def _float_tree(y: Any) -> Any:
 class _Recorder:
   """Names each module call and adds its probe; collects outputs during one trace."""
 
-  def __init__(self, probes: dict[str, Any] | None):
+  def __init__(self, probes: dict[str, Any] | None, call_key: Callable[[str], str] = lambda key: key):
     self.probes = probes
+    self.call_key = call_key  # the key of a call (`path`, `path#n` for its n-th repeat) on the other side
     self.outputs: dict[str, Any] = {}
     self.inputs: dict[str, Any] = {}  # each call's first argument, when it is a float array
     self.order: list[str] = []
@@ -50,7 +51,7 @@ class _Recorder:
     path = path or ROOT
     n = self._calls.get(path, 0)
     self._calls[path] = n + 1
-    key = path if n == 0 else f'{path}#{n}'
+    key = self.call_key(path if n == 0 else f'{path}#{n}')
     self.order.append(key)
     if args and isinstance(args[0], jax.Array) and jnp.issubdtype(args[0].dtype, jnp.inexact):
       self.inputs[key] = args[0]
@@ -149,8 +150,14 @@ def _nnx_intercept(model: nnx.Module, recorder: _Recorder, rename: Callable[[str
 def nnx_probe(
     loss: Callable, graphdef: Any, state: Any, batch: Any, dropout_key: Any, renames,
     prefix: str = 'params/', to_linen: Callable = lambda path, x: x,
+    call_key: Callable[[str], str] = lambda key: key,
 ) -> adapter.Probe:
-  """The probe of a stock NNX side: loss(model, batch, key) on the merged (model, optimizer)."""
+  """The probe of a stock NNX side: loss(model, batch, key) on the merged (model, optimizer).
+
+  `call_key` maps a recorded call's key (its Linen path by `renames`, `#n`
+  for the n-th repeat of one module's call) to Linen's, where one NNX module
+  called twice is two Linen modules.
+  """
   # The (model, optimizer) state split so that only the model's parameters
   # are differentiated (the optimizer holds no nnx.Param).
   params, rest = nnx.split_state(state, nnx.Param, ...)
@@ -160,7 +167,7 @@ def nnx_probe(
     # belong to the caller's trace and refuse the in-place batch-stat update).
     params, rest = jax.tree.map(lambda x: x, (params, rest))
     model, _ = nnx.merge(graphdef, params, rest)
-    recorder = _Recorder(probes)
+    recorder = _Recorder(probes, call_key)
     with _nnx_intercept(model, recorder, renames.to_linen):
       value = loss(model, batch, dropout_key)
     order[:] = recorder.order
@@ -218,6 +225,10 @@ class Localization:
   only_nnx: list[str]
   details: dict[str, str]  # path -> bitwise detail of the first differing values
   backward_ulp: dict[str, int] = dataclasses.field(default_factory=dict)  # module -> max ULP
+  compared_calls: int = 0  # module calls found on both sides (their outputs compared)
+  compared_grads: int = 0  # parameter gradients found on both sides
+  only_linen_grads: list[str] = dataclasses.field(default_factory=list)
+  only_nnx_grads: list[str] = dataclasses.field(default_factory=list)
 
   def first(self, step: int | None = None) -> dict[str, Any] | None:
     """The first divergent module: `{step, path, layer, pass, max_ulp}` (None: none found).
@@ -265,6 +276,24 @@ class Localization:
     if self.only_linen or self.only_nnx:
       out.append(f'unmatched module calls: linen {self.only_linen}, nnx {self.only_nnx}'
                  ' (add rename rules to compare them)')
+    if self.only_linen_grads or self.only_nnx_grads:
+      out.append(f'unmatched parameter gradients: linen {self.only_linen_grads},'
+                 f' nnx {self.only_nnx_grads} (add rename rules to compare them)')
+    return out
+
+  @property
+  def unmatched(self) -> list[str]:
+    """What the localizer could not compare: calls or gradients on one side only, or nothing at all."""
+    out = []
+    if self.only_linen or self.only_nnx:
+      out.append(f'module calls on one side only: linen {self.only_linen}, nnx {self.only_nnx}')
+    if self.only_linen_grads or self.only_nnx_grads:
+      out.append(f'parameter gradients on one side only: linen {self.only_linen_grads},'
+                 f' nnx {self.only_nnx_grads}')
+    if not self.compared_calls:
+      out.append('no module call found on both sides')
+    if not self.compared_grads:
+      out.append('no parameter gradient found on both sides')
     return out
 
 
@@ -356,6 +385,10 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       only_nnx=[k for k in nnx_probe.order if k not in set(linen.order)],
       details=details,
       backward_ulp=backward_ulp,
+      compared_calls=len(common),
+      compared_grads=sum(p in nnx_probe.param_grads for p in linen.param_grads),
+      only_linen_grads=[p for p in linen.param_grads if p not in nnx_probe.param_grads],
+      only_nnx_grads=[p for p in nnx_probe.param_grads if p not in linen.param_grads],
   )
 
 

@@ -98,6 +98,9 @@ class CompareResult:
   platform: str = ''
   flops: StepFlops | None = None
   program_diff: programs.ProgramDiff | None = None
+  # With a declared program difference: the diff with its modules' operations
+  # left out, which must be identical (None: not declared, or nothing differs).
+  program_diff_outside: programs.ProgramDiff | None = None
   # The lowered train steps, {'linen': text, 'nnx': text} (not in the JSON).
   program_texts: dict[str, str] | None = dataclasses.field(default=None, repr=False)
 
@@ -115,10 +118,12 @@ class CompareResult:
     or a pair's declared program difference when the program stays within its bound."""
     declared = self.declared_program_difference
     if declared is not None:
-      d = self.program_diff
-      if d is not None and not d.identical and d.changed_lines <= declared.max_changed_lines:
+      d, outside = self.program_diff, self.program_diff_outside
+      if (d is not None and not d.identical and d.changed_lines <= declared.max_changed_lines
+          and outside is not None and outside.identical):
         return (f'declared: {", ".join(declared.paths)}: {declared.reason}'
-                f' ({d.changed_lines} of at most {declared.max_changed_lines} canonical lines)')
+                f' ({d.changed_lines} of at most {declared.max_changed_lines} canonical lines,'
+                f' identical outside those modules)')
       return None
     if self.model_cfg is None:
       return None
@@ -151,14 +156,26 @@ class CompareResult:
       return 'not compared'
     if d.identical:
       return 'identical' + (f' except: {", ".join(d.allowed)}' if d.allowed else '')
+    outside = self.program_diff_outside
+    if outside is not None and not outside.identical:
+      return (f'differs ({d.changed_lines} canonical lines; {outside.changed_lines} outside the'
+              f' declared modules {", ".join(self.declared_program_difference.paths)})')
     return f'differs ({d.changed_lines} canonical lines)'
 
   @property
   def same_program(self) -> bool:
-    """Memory equal to the byte and programs identical beyond the allowlist, or different by design."""
-    if self.expected_difference is not None:
+    """Memory equal to the byte and programs identical beyond the allowlist, or different by design.
+
+    By design: a declared program difference (within its bound of canonical
+    lines, the program identical outside its modules); or a layout move,
+    where the programs differ but the arguments and outputs (the state) take
+    the same bytes and only temporaries may differ (`LAYOUT_MOVE_MEMORY`).
+    """
+    if self.expected_difference is None:
+      return not self.memory_drift and (self.program_diff is None or self.program_diff.identical)
+    if self.declared_program_difference is not None:
       return True
-    return not self.memory_drift and (self.program_diff is None or self.program_diff.identical)
+    return not memory_drift(self.linen.memory, self.nnx.memory, exclude=LAYOUT_MOVE_MEMORY)
 
   @property
   def tokens_per_step(self) -> int | None:
@@ -239,6 +256,8 @@ class CompareResult:
             'attention': self.flops.attention,
         },
         'program_diff': None if self.program_diff is None else self.program_diff.to_json(),
+        'program_diff_outside_declared': (
+            None if self.program_diff_outside is None else self.program_diff_outside.to_json()),
         'linen': side_json('linen'),
         'nnx': side_json('nnx'),
     }
@@ -340,12 +359,17 @@ def program_diff_of(
 
 
 MEMORY_FIELDS = ('argument_bytes', 'output_bytes', 'temp_bytes', 'alias_bytes', 'peak_bytes')
+# What a layout move (the layers stacked on another axis) may change: the
+# transposes' temporaries. The state the step reads and writes is the same bytes.
+LAYOUT_MOVE_MEMORY = ('temp_bytes', 'peak_bytes')
 
 
-def memory_drift(linen: dict[str, Any], nnx: dict[str, Any]) -> list[str]:
+def memory_drift(linen: dict[str, Any], nnx: dict[str, Any], exclude: tuple[str, ...] = ()) -> list[str]:
   """Each memory-analysis field that differs, as NNX minus Linen (empty: equal to the byte)."""
   out = []
   for field in MEMORY_FIELDS:
+    if field in exclude:
+      continue
     a, b = linen.get(field), nnx.get(field)
     if a != b:
       out.append(f'{field} {b - a:+,} B' if a is not None and b is not None else f'{field} n/a')
@@ -570,6 +594,9 @@ def compare_sides(
     runs[name].memory = compiled[name].memory(device)
     runs[name].xla_flops = compiled[name].cost_flops()
   diff = program_diff_of(compiled['linen'], compiled['nnx']) if program_diff else None
+  outside = None
+  if diff is not None and not diff.identical and declared_program_difference is not None:
+    outside = program_diff_of(compiled['linen'], compiled['nnx'], tuple(declared_program_difference.paths))
 
   divergence: dict[str, Any] = {}
   with contextlib.ExitStack() as stack:
@@ -605,6 +632,7 @@ def compare_sides(
       first_divergent_module=None if localized is None else localized[0],
       localizer=None if localized is None else localized[1],
       program_diff=diff,
+      program_diff_outside=outside,
       program_texts={name: compiled[name].text for name in SIDES},
   )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
 from typing import Any, Iterator
 
 import flax.linen as nn
@@ -373,6 +374,7 @@ class NnxSide(_Placement):
       return localize.nnx_probe(
           loss, self.graphdef, state, batch, dropout_key, bridge_stock.Renames(),
           prefix='params/params/', to_linen=self.layout.array_to_linen,
+          call_key=_linen_dropout_call,
       )
 
   def forward(self, state, batch, dropout_key):
@@ -384,6 +386,21 @@ class NnxSide(_Placement):
     fn = nnx_train.make_loss_and_grad(self.model_cfg, self.train_cfg)
     with self.context():
       return fn(self.graphdef, state, batch, dropout_key)
+
+
+_NNX_DROPOUT_CALL = re.compile(r'(^|/)dropout(?:#(\d+))?$')
+
+
+def _linen_dropout_call(key: str) -> str:
+  """An NNX decoder's dropout call as Linen names it.
+
+  A block's one `dropout` module is called once per site (`dropout`,
+  `dropout#1`); Linen makes a module per call (`Dropout_0`, `Dropout_1`).
+  """
+  m = _NNX_DROPOUT_CALL.search(key)
+  if m is None:
+    return key
+  return f'{key[:m.start()]}{m.group(1)}Dropout_{int(m.group(2) or 0)}'
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -17,10 +17,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import pytest
+
 from bridge.stock import Renames
 from models.families import ClassifierConfig, classifier_batch
 from models.linen import classifier as linen_classifier
 from models.nnx import classifier as nnx_classifier
+from parity import runner
 from parity.adapter import KnownDifference, Pair
 from parity.stock import StockLinen, StockNnx
 
@@ -70,3 +73,20 @@ classifier_without_batch_norm = Pair(
     functools.partial(classifier_batch, NO_BATCH_NORM),
     parts=('grads', 'train', 'memory', 'program'),
 )
+
+
+@pytest.mark.xdist_group('parity-classifier')  # the pair's compiled steps are that group's
+def test_a_declared_program_difference_covers_only_its_modules():
+  """The runner (`parity compare --pair`) accepts a declared program difference only
+  where the program is identical outside the declared modules: with the second batch
+  norm left out of the declaration, the same run is not the same program."""
+  only_first = dataclasses.replace(BATCH_NORM_PROGRAM, paths=('BatchNorm_0',))
+  result = runner.compare_sides(
+      classifier.make_sides(None), lambda step: classifier.batch(step, 'train'), 1,
+      declared_program_difference=only_first, localize_divergence=False,
+  )
+  assert result.bitwise_equal
+  assert result.program_diff.changed_lines <= only_first.max_changed_lines
+  assert not result.program_diff_outside.identical
+  assert result.expected_difference is None and not result.same_program
+  assert 'outside the declared modules BatchNorm_0' in result.program_verdict

@@ -11,6 +11,8 @@ on another axis on purpose; its programs differ and the report says why.
 The numbers come from runs the suite makes anyway (`tests.runs`): nothing
 here compiles a step of its own.
 """
+import dataclasses
+
 import pytest
 
 from bridge.layout import layout_for
@@ -66,3 +68,11 @@ def test_the_other_layout_is_a_stated_program_difference():
   assert layout_for(result.model_cfg).moves
   assert not result.program_diff.identical
   assert 'axis 0' in result.expected_difference and result.same_program
+  # Only temporaries may differ: the state the step reads and writes takes the same bytes.
+  memory = (result.linen.memory, result.nnx.memory)
+  assert all(m.get(f) is not None for m in memory for f in runner.MEMORY_FIELDS), memory
+  assert runner.memory_drift(*memory, exclude=runner.LAYOUT_MOVE_MEMORY) == []
+  # A state of other bytes would not pass as a layout move.
+  grown = dict(result.nnx.memory, argument_bytes=result.nnx.memory['argument_bytes'] + 4)
+  moved = dataclasses.replace(result, nnx=dataclasses.replace(result.nnx, memory=grown))
+  assert moved.expected_difference is not None and not moved.same_program
