@@ -7,13 +7,17 @@ counter's dtype aside (Linen int32, `nnx.Optimizer` uint32). A train state
 that optimises something else (say, an `nnx.Optimizer` whose `wrt` also
 takes the fp8 scaling state) has other optimizer leaves and fails here.
 """
+import functools
+
 import jax
 import pytest
 from flax import nnx
 
+from models import data, rng
 from models.config import SCENARIOS, get_configs
+from models.linen import train as linen_train
 from models.nnx import train as nnx_train
-from parity.sides import make_sides
+from parity.sides import LinenSide, NnxSide, make_sides
 
 
 def _leaves(side):
@@ -36,3 +40,35 @@ def test_the_battery_trains_the_state_create_train_state_builds():
       lambda: nnx_train.create_train_state(model_cfg, train_cfg, nnx_train.init_model(model_cfg, 0))
   )
   assert jax.tree.structure(state) == jax.tree.structure(nnx_side.template)
+
+
+def _spied(module, names, monkeypatch) -> list[str]:
+  """Each of `module`'s functions `names` replaced by a wrapper that records its call."""
+  called = []
+  for name in names:
+    original = getattr(module, name)
+
+    @functools.wraps(original)
+    def spy(*args, _original=original, _name=name, **kwargs):
+      called.append(_name)
+      return _original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+  return called
+
+
+@pytest.mark.parametrize('side_type,module', [(LinenSide, linen_train), (NnxSide, nnx_train)],
+                         ids=['linen', 'nnx'])
+def test_each_side_builds_its_state_and_step_with_its_packages_own_functions(side_type, module, monkeypatch):
+  """The harness holds no copy of the train state, optimizer or step: a fresh side
+  (not the process's shared one) asks the model package for each (spied on here)."""
+  called = _spied(module, ('create_train_state', 'make_optimizer', 'make_train_step'), monkeypatch)
+  model_cfg, train_cfg = get_configs('tiny', '01_baseline')
+  side = side_type(model_cfg, train_cfg)
+  state = side.template
+  assert called == ['create_train_state', 'make_optimizer']
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+           for k, v in data.make_batch(model_cfg, train_cfg, 0).items()}
+  key = jax.eval_shape(lambda: rng.base_key(0))
+  side.lower_train_step(state, batch, key)  # traced, not compiled
+  assert called[2:] == ['make_train_step']
