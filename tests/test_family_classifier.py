@@ -90,3 +90,14 @@ def test_a_declared_program_difference_covers_only_its_modules():
   assert not result.program_diff_outside.identical
   assert result.expected_difference is None and not result.same_program
   assert 'outside the declared modules BatchNorm_0' in result.program_verdict
+
+
+@pytest.mark.xdist_group('parity-classifier')
+def test_the_memory_check_fails_when_nothing_is_measured(monkeypatch):
+  """A backend without XLA's memory analysis gives no fields: the check says so, never passes."""
+  from parity import battery
+
+  battery.check_memory(classifier)  # measured here: passes
+  monkeypatch.setattr(runner, 'memory_of', lambda executable, device: {})
+  with pytest.raises(AssertionError, match='memory analysis not measured'):
+    battery.check_memory(classifier)
