@@ -14,7 +14,12 @@ and the divergence localizer. All tests of a pair share one xdist group, so
 under `pytest -n auto --dist loadgroup` one worker compiles each function once.
 
 Options: `--parity-parts=grads,train` runs only those parts;
-`--parity-mesh=data=4` replaces every pair's meshes.
+`--parity-mesh=data=2,tensor=4` replaces every pair's meshes.
+
+Before jax starts, the plugin sets the XLA flags the battery needs unless
+XLA_FLAGS already sets them: as many CPU devices as a mesh takes (8, for the
+default `data=8`, or the product of `--parity-mesh`'s axes; a mesh spans
+every device) and deterministic GPU kernels (parity/xla_env.py).
 
 After each test of the session (a pair's or not), a process holding more
 than half of Linux's memory-map limit drops jax's in-memory caches
@@ -23,6 +28,7 @@ than half of Linux's memory-map limit drops jax's in-memory caches
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 
 import pytest
@@ -61,6 +67,9 @@ def pytest_addoption(parser):
   )
 
 
+DEFAULT_MESH_DEVICES = 8  # parity.adapter.Pair's default mesh, 'data=8'
+
+
 def pytest_configure(config):
   # Known to pytest-xdist; registered here too so runs without it stay strict-marker clean.
   config.addinivalue_line('markers', 'xdist_group(name): tests that share one xdist worker')
@@ -69,6 +78,29 @@ def pytest_configure(config):
     unknown = sorted(set(parts.split(',')) - set(PARTS))
     if unknown:
       raise pytest.UsageError(f'--parity-parts: unknown part(s) {unknown}; parts: {", ".join(battery.PARTS)}')
+  _prepare_xla(config.getoption('parity_mesh'))
+
+
+def _prepare_xla(meshes: list[str] | None) -> list[str]:
+  """The XLA flags the battery needs, added before jax starts (returns those added)."""
+  from parity import xla_env  # imports no jax
+
+  count = DEFAULT_MESH_DEVICES
+  if meshes:
+    counts = set()
+    for spec in meshes:
+      try:
+        counts.add(math.prod(int(part.split('=', 1)[1]) for part in spec.split(',')))
+      except (IndexError, ValueError):
+        raise pytest.UsageError(f"--parity-mesh: bad mesh spec {spec!r} (e.g. 'data=2,tensor=4')") from None
+    if len(counts) > 1:
+      raise pytest.UsageError(
+          f'--parity-mesh: {meshes} take {sorted(counts)} devices; a mesh spans every device,'
+          ' so one run takes meshes of one size')
+    (count,) = counts
+  if xla_env.backends_started():  # too late: jax reads XLA_FLAGS once
+    return []
+  return xla_env.add_flags((xla_env.host_device_count_flag(count),) + xla_env.GPU_DETERMINISTIC_FLAGS)
 
 
 _MAP_GUARD = map_limit.Guard()

@@ -5,7 +5,8 @@ directory outside this repository and pytest runs there with nothing but the
 installed package (no path into the repository). A second pair in the same
 file has its NNX side broken on purpose (another dropout rate), so its
 generated tests must fail with the bitwise report and the localizer's
-finding; `--parity-parts` must select parts.
+finding; `--parity-parts` must select parts. The directory gets none of this
+suite's XLA set-up: the plugin asks for the CPU devices its meshes take.
 """
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def readme_example() -> str:
 @pytest.fixture
 def user_project(pytester, monkeypatch):
   monkeypatch.delenv('PYTHONPATH', raising=False)  # only the installed package
+  # Nothing of this suite's XLA set-up (8 CPU devices, its flags): the plugin's own.
+  monkeypatch.delenv('XLA_FLAGS', raising=False)
+  monkeypatch.delenv('PJRT_NPROC', raising=False)
   monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
   pytester.makepyfile(test_classifier_migration=readme_example() + BROKEN_PAIR)
   assert not str(pytester.path).startswith(str(README.parent))
@@ -80,3 +84,16 @@ def test_an_unknown_part_is_a_usage_error(user_project):
   result = user_project.runpytest_subprocess('--parity-parts=structure,bogus', '-p', 'no:cacheprovider')
   assert result.ret == pytest.ExitCode.USAGE_ERROR
   result.stderr.fnmatch_lines(['ERROR: --parity-parts: unknown part(s) ?\'bogus\'?; parts: structure, *'])
+
+
+def test_the_mesh_part_gets_its_cpu_devices_from_the_plugin(user_project):
+  """The default mesh, data=8, on a CPU host of any core count: the plugin sets 8 CPU devices."""
+  result = user_project.runpytest_subprocess('--parity-parts=mesh', '-k', 'not broken', '-p', 'no:cacheprovider')
+  result.assert_outcomes(passed=1)
+
+
+def test_meshes_of_two_sizes_are_a_usage_error(user_project):
+  result = user_project.runpytest_subprocess(
+      '--parity-mesh=data=8', '--parity-mesh=data=4', '-p', 'no:cacheprovider')
+  assert result.ret == pytest.ExitCode.USAGE_ERROR
+  result.stderr.fnmatch_lines(['ERROR: --parity-mesh: *data=8*data=4* take ?4, 8? devices; a mesh spans every device*'])
