@@ -1,6 +1,7 @@
 """`parity`: spec tables and side-by-side runs of the Linen and NNX implementations.
 
-Exit status: 0 equal, 1 the sides differ, 2 bad input.
+Exit status: 0 equal, 1 the sides differ, 2 bad input (or out of memory), 3
+a process of `--processes N` failed or hung.
 """
 from __future__ import annotations
 

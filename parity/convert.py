@@ -1061,8 +1061,10 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
   convert_parser.add_argument('--step', type=int, default=None, help='default: the latest step')
   convert_parser.add_argument('--overwrite', action='store_true', help='replace a non-empty DST')
   convert_parser.add_argument('--rules', default=None, metavar='FILE', help="path rename rules, 'LINEN => NNX' per line")
-  convert_parser.add_argument('--preset', default=None, help='check the tree against this preset')
-  convert_parser.add_argument('--scenario', default=None, help='with --preset (default 01_baseline)')
+  convert_parser.add_argument('--preset', default=None,
+                              help="check the tree against this preset (with --scenario's, default 01_baseline)")
+  convert_parser.add_argument('--scenario', default=None,
+                              help='the layout of this scenario; with --preset, the tree checked too')
   convert_parser.set_defaults(func=cmd_convert)
   return convert_parser
 
@@ -1071,15 +1073,19 @@ def cmd_convert(args) -> int:
   from parity.cli import BadInput
 
   try:
-    configs = None
+    configs = None  # the model the tree is checked against (--preset only)
+    layout_configs = None
     if args.preset is not None or args.scenario is not None:
       from models import config
 
       try:
-        configs = config.get_configs(args.preset or 'tiny', args.scenario or '01_baseline')
+        # A scenario's layout is the same in every preset.
+        layout_configs = config.get_configs(args.preset or 'tiny', args.scenario or '01_baseline')
       except KeyError as e:
         raise BadInput(e.args[0]) from None
-    layout = args.layout or (layout_name_for(configs[0]) if configs else 'same')
+      if args.preset is not None:
+        configs = layout_configs
+    layout = args.layout or (layout_name_for(layout_configs[0]) if layout_configs else 'same')
     rules = read_rename_rules(args.rules) if args.rules else None
     result = convert(
         args.src, args.dst, to=args.to, layout=layout, step=args.step, overwrite=args.overwrite,

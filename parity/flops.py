@@ -1,7 +1,7 @@
-"""Analytic FLOPs of one train step, as the seed logs print them.
+"""Analytic FLOPs of one train step, in the form training logs commonly print.
 
 "Per train step: Total TFLOPs: 0.80 split as 99.60% learnable weight flops
-and 0.40% attention flops" (seeds/001). Two parts, each counted as 2 FLOPs
+and 0.40% attention flops". Two parts, each counted as 2 FLOPs
 per multiply-add and tripled for training (forward once, backward twice: the
 gradients with respect to the inputs and to the weights):
 

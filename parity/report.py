@@ -1,6 +1,6 @@
-"""The `parity compare` report: the seed's side-by-side table, per-step table, files.
+"""The `parity compare` report: a side-by-side table, a per-step table, files.
 
-The summary table is the one engineers read in seeds/000 and 001
+The summary table is the one training logs commonly print for two runs
 (Parameters, Final loss, TFLOP/s, Tok/s, Avg s/step, Memory %, JAX; main vs
 branch and the difference), here Linen | NNX | Diff (NNX − Linen) with each
 difference marked better or worse, plus what a migration needs on top:

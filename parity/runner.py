@@ -5,7 +5,7 @@ bridge's checkpoint layout, then both train on the same batches with the
 same dropout base key. Losses are compared by their bits each step; final
 parameters and optimizer state are compared bitwise at the end.
 
-Timing follows DESIGN.md "Step timing done right" (and seeds/004):
+How steps are timed:
 
 - Each side's train step is lowered and compiled ahead of time
   (`.lower(...).compile()`), timed apart as `compile_s`; step 0 then only

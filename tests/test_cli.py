@@ -52,7 +52,7 @@ def test_specs_activations_json_matches_the_golden_and_the_seed_logs(capsys):
   for side in ('linen', 'nnx'):
     assert activations.format_table(out[side]) == golden
   names = {tuple(r['logical']) for r in out['linen']}
-  # The activation names the seed logs print (DESIGN.md).
+  # The reference decoder's activation names.
   assert ('activation_batch', 'activation_norm_length', 'activation_embed') in names
   assert ('activation_kv_batch', 'activation_attn_length', 'activation_kv_heads',
           'activation_kv_head_dim') in names

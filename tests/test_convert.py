@@ -432,3 +432,14 @@ def test_killed_mid_conversion(source, tmp_path, capsys, sig):
     assert cli.main(['convert', source.dir, dst, '--to', 'nnx']) == 0  # ... the next run does
     _assert_no_partials(dst)
     assert os.listdir(dst) == [str(STEP)]
+
+
+def test_a_scenario_without_a_preset_picks_the_layout_and_checks_no_tree(source, tmp_path, capsys):
+  """`--scenario` alone names a layout (any preset's); only `--preset` checks the tree.
+
+  The baseline's float32 source does not match 08_bf16_weights (above), yet
+  converts: a checkpoint of another preset must not be held to the tiny one.
+  """
+  dst = str(tmp_path / 'dst')
+  assert cli.main(['convert', source.dir, dst, '--to', 'nnx', '--scenario', '08_bf16_weights']) == 0
+  assert '(same)' in capsys.readouterr().out

@@ -26,7 +26,7 @@ import pytest
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / 'notebooks'
 NOTEBOOK = NOTEBOOKS / 'migration_guide.ipynb'
 SCRIPT = NOTEBOOKS / 'migration_guide.py'
-REGENERATE = 'jupytext --update --to ipynb notebooks/migration_guide.py'
+REGENERATE = 'jupytext --to ipynb notebooks/migration_guide.py'  # afresh: no outputs (--update keeps them)
 # Generous: the guide takes about a minute on one core; a hung cell must not hang the suite.
 CELL_TIMEOUT_S = 600
 

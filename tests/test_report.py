@@ -24,7 +24,7 @@ CHECKPOINT_EVERY = 3
 
 
 # ---------------------------------------------------------------------------
-# Timing (DESIGN.md "Step timing done right", seeds/004)
+# Timing (how steps are timed: parity/runner.py)
 # ---------------------------------------------------------------------------
 
 
@@ -100,8 +100,8 @@ def test_avg_step_leaves_step_0_out_and_per_device_rates_follow():
 # ---------------------------------------------------------------------------
 
 
-def test_weight_flops_match_the_seed_report():
-  """seeds/001: 11.338 TFLOP/s/device at 1812.1 tokens/s/device, 99.60% weight FLOPs.
+def test_weight_flops_match_a_reference_training_log():
+  """A reference training log of the `default` model: 11.338 TFLOP/s/device at 1812.1 tokens/s/device, 99.60% weight FLOPs.
 
   So 6.2568e9 FLOPs per token, 6.2318e9 of them weight FLOPs, for the
   `default` model. The printout rounds to 5 significant digits (and 0.01%),

@@ -1,6 +1,6 @@
 """The `default` preset (1.104B parameters) on both sides, by eval_shape only.
 
-The golden `default_specs_fsdp8.txt` is the parameter table of DESIGN.md
+The golden `default_specs_fsdp8.txt` is the reference decoder's parameter table
 (path, dtype, shape, logical axes, physical axes on an fsdp=8 mesh), one
 sorted line per parameter; both sides must print exactly it. The goldens for
 `fsdp=4,tensor=2` and `data=2,fsdp=2,tensor=2` are the same table on those
