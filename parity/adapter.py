@@ -102,7 +102,8 @@ class KnownDifference:
   the forward divergence starting, within `max_ulp`; or, with 'program' in `passes`, the modules whose stock
   implementations lower differently: the canonical programs then differ
   by at most `max_changed_lines` lines, and not at all once the operations
-  located in those modules are left out (parity.programs `opaque_modules`;
+  located in those modules are left out (what feeds the modules is still
+  compared; parity.programs `opaque_modules`;
   the NNX side names its module calls by their Linen paths, parity/scopes.py,
   in an optional `lower_for_comparison(state, batch, dropout_base)` as
   StockNnx has; a side without it leaves nothing out). `reason` (the cause, with its

@@ -32,7 +32,14 @@ class _Runs:
 
   @functools.cache
   def sides(self, mesh_spec: str | None = None) -> tuple[adapter.Side, adapter.Side]:
-    mesh = None if mesh_spec is None else specs_lib.make_mesh(mesh_spec)
+    try:
+      mesh = None if mesh_spec is None else specs_lib.make_mesh(mesh_spec)
+    except ValueError as e:
+      raise ValueError(
+          f'{e}. A mesh spans every device; on the CPU, XLA_FLAGS='
+          '--xla_force_host_platform_device_count=N set before jax starts gives N devices'
+          " (the plugin sets it for the first pair's meshes, or --parity-mesh's)"
+      ) from None
     return self.pair.make_sides(mesh)
 
   def side(self, name: str, mesh_spec: str | None = None) -> adapter.Side:

@@ -16,10 +16,11 @@ under `pytest -n auto --dist loadgroup` one worker compiles each function once.
 Options: `--parity-parts=grads,train` runs only those parts;
 `--parity-mesh=data=2,tensor=4` replaces every pair's meshes.
 
-Before jax starts, the plugin sets the XLA flags the battery needs unless
-XLA_FLAGS already sets them: as many CPU devices as a mesh takes (8, for the
-default `data=8`, or the product of `--parity-mesh`'s axes; a mesh spans
-every device) and deterministic GPU kernels (parity/xla_env.py).
+When it collects the session's first pair, before jax starts, the plugin
+sets the XLA flags the battery needs unless XLA_FLAGS already sets them: as
+many CPU devices as that pair's meshes take (8 for the default `data=8`; a
+mesh spans every device), or `--parity-mesh`'s, and deterministic GPU kernels
+(parity/xla_env.py). A session that declares no pair is left as it is.
 
 After each test of the session (a pair's or not), a process holding more
 than half of Linux's memory-map limit drops jax's in-memory caches
@@ -67,9 +68,6 @@ def pytest_addoption(parser):
   )
 
 
-DEFAULT_MESH_DEVICES = 8  # parity.adapter.Pair's default mesh, 'data=8'
-
-
 def pytest_configure(config):
   # Known to pytest-xdist; registered here too so runs without it stay strict-marker clean.
   config.addinivalue_line('markers', 'xdist_group(name): tests that share one xdist worker')
@@ -78,28 +76,43 @@ def pytest_configure(config):
     unknown = sorted(set(parts.split(',')) - set(PARTS))
     if unknown:
       raise pytest.UsageError(f'--parity-parts: unknown part(s) {unknown}; parts: {", ".join(battery.PARTS)}')
-  _prepare_xla(config.getoption('parity_mesh'))
-
-
-def _prepare_xla(meshes: list[str] | None) -> list[str]:
-  """The XLA flags the battery needs, added before jax starts (returns those added)."""
-  from parity import xla_env  # imports no jax
-
-  count = DEFAULT_MESH_DEVICES
+  meshes = config.getoption('parity_mesh')
   if meshes:
-    counts = set()
-    for spec in meshes:
-      try:
-        counts.add(math.prod(int(part.split('=', 1)[1]) for part in spec.split(',')))
-      except (IndexError, ValueError):
-        raise pytest.UsageError(f"--parity-mesh: bad mesh spec {spec!r} (e.g. 'data=2,tensor=4')") from None
+    try:
+      counts = {_device_count(spec) for spec in meshes}
+    except ValueError:
+      raise pytest.UsageError(f"--parity-mesh: bad mesh spec in {meshes} (e.g. 'data=2,tensor=4')") from None
     if len(counts) > 1:
       raise pytest.UsageError(
           f'--parity-mesh: {meshes} take {sorted(counts)} devices; a mesh spans every device,'
           ' so one run takes meshes of one size')
-    (count,) = counts
-  if xla_env.backends_started():  # too late: jax reads XLA_FLAGS once
+
+
+def _device_count(spec: str) -> int:
+  """The devices a mesh spec such as 'data=2,tensor=4' spans (ValueError if malformed)."""
+  parts = [p for p in spec.split(',') if p.strip()]
+  if not parts or any('=' not in p for p in parts):
+    raise ValueError(spec)
+  return math.prod(int(p.split('=', 1)[1]) for p in parts)
+
+
+_XLA_PREPARED: list[bool] = []
+
+
+def _prepare_xla(config, pair) -> list[str]:
+  """The XLA flags the battery needs, added once per session before jax starts (returns those added)."""
+  from parity import xla_env  # imports no jax
+
+  if _XLA_PREPARED:
     return []
+  _XLA_PREPARED.append(True)
+  meshes = config.getoption('parity_mesh') or list(pair.meshes)
+  if not meshes or xla_env.backends_started():  # too late: jax reads XLA_FLAGS once
+    return []
+  try:
+    count = _device_count(meshes[0])
+  except ValueError:
+    return []  # reported by the mesh test, which parses it
   return xla_env.add_flags((xla_env.host_device_count_flag(count),) + xla_env.GPU_DETERMINISTIC_FLAGS)
 
 
@@ -177,6 +190,7 @@ def pytest_pycollect_makeitem(collector, name, obj):
   # A module that declares a pair has imported the adapter; others never load it.
   adapter = sys.modules.get('parity.adapter')
   if adapter is not None and isinstance(obj, adapter.Pair):
+    _prepare_xla(collector.config, obj)
     return PairClass.from_parent(collector, name=name)
   return None
 

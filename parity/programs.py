@@ -267,6 +267,17 @@ def _permute_return(line: str, order: list[int]) -> str | None:
           f' : {", ".join(types[i] for i in order)}')
 
 
+def _result_type(lines: list[str]) -> str:
+  """` : <result type>` of an operation's text (its trailing type signature), or ''."""
+  for line in (lines[-1], lines[0]):
+    head = line.strip()
+    if ' -> ' in head:
+      return ' : ' + head.rsplit(' -> ', 1)[1]
+    if ' : ' in head:
+      return ' : ' + head.rsplit(' : ', 1)[1]
+  return ''
+
+
 def _return_operands(line: str) -> list[str] | None:
   m = _RETURN.match(line.strip())
   return _split_top_level(m.group(2)) if m else None
@@ -306,7 +317,9 @@ class _Canonicalizer:
       header = _PLACEHOLDER + header[lhs.end(1):]
     marker = _OPAQUE.search(lines[-1])
     if marker and def_names:
-      return self._opaque(marker.group(1), def_names, [header] + lines[1:], scope)
+      body = [header] + lines[1:]
+      body[-1] = _OPAQUE.sub('', body[-1])
+      return self._opaque(marker.group(1), def_names, body, scope)
     if marker:  # no result to stand for: compared as any operation
       lines = lines[:-1] + [_OPAQUE.sub('', lines[-1])]
       header = _OPAQUE.sub('', header)
@@ -357,11 +370,14 @@ class _Canonicalizer:
   ) -> _Statement:
     """An operation of a module left out of the comparison: an opaque value of the module's inputs.
 
-    Its value stands for "what `module` computes from these values from
-    outside it": the outside values it reads, directly or through other
-    operations of the module (which are not printed: only what leaves the
-    module is). So how the module computes is not compared, but what feeds
-    it is: an operation whose only user is inside the module stays live.
+    Its value stands for "what `module` computes, of this type, from these
+    values from outside it": the outside values it reads, directly or
+    through other operations of the module (which are not printed: only
+    what leaves the module is). So how the module computes is not compared,
+    but what feeds it is: an operation whose only user is inside the module
+    stays live. Two results of one module with the same type and the same
+    outside inputs are one value here (e.g. two statistics of one input):
+    which of them a user outside reads is not told apart.
     """
     inputs: set[str] = set()
     names: set[str] = set()
@@ -373,13 +389,15 @@ class _Canonicalizer:
           value = scope[m.group(1)] + (m.group(2) or '')
         else:  # a name bound inside the operation's own regions
           continue
-        inside = self._opaque_inputs.get(value)
+        # `%x#k`: one result of a multi-result operation, keyed by the operation.
+        inside = self._opaque_inputs.get(value) or self._opaque_inputs.get(value.split('#', 1)[0])
         if inside is not None and inside[0] == module:
           inputs |= inside[1]
         else:
           inputs.add(value)
         names.add(m.group(1))
-    out = [f'{_PLACEHOLDER} = parity.opaque "{module}"({", ".join(sorted(inputs))})']
+    out = [f'{_PLACEHOLDER} = parity.opaque "{module}"({", ".join(sorted(inputs))})'
+           f'{_result_type(lines)}']
     token = _hash('\n'.join(out))
     if len(def_names) == 1:
       defs = [(def_names[0][0], f'%v{token}')]
@@ -791,10 +809,16 @@ def canonicalize(
 
   `opaque_modules` (module paths, e.g. `layers_0/LayerNorm_0`; needs the text
   with debug locations, and an NNX side lowered with its modules named, see
-  parity/scopes.py): every operation located inside one of them becomes one
-  opaque value per result, `parity.opaque "<module>"`, with no operands; the
-  values they pass to the rest of the program are then the same on both
-  sides whatever computes them, and the rest must match.
+  parity/scopes.py): every operation located inside one of them becomes an
+  opaque value, `parity.opaque "<module>"(<inputs>) : <type>`, keyed by the
+  module, its result type and the values from outside the module it depends
+  on; the module's own operations are not printed. The values the module
+  passes to the rest of the program are then the same on both sides however
+  it computes them, what feeds the module is still compared, and the rest
+  must match. (An operation outside the module whose region, a loop body or
+  a called function, uses a value computed inside it keeps that value's
+  computation: where the two sides place a module's operations across such
+  a boundary differently, they differ.)
   """
   if opaque_modules:
     text = _mark_opaque(text, tuple(opaque_modules))

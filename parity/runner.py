@@ -156,10 +156,13 @@ class CompareResult:
       return 'not compared'
     if d.identical:
       return 'identical' + (f' except: {", ".join(d.allowed)}' if d.allowed else '')
-    outside = self.program_diff_outside
+    declared, outside = self.declared_program_difference, self.program_diff_outside
     if outside is not None and not outside.identical:
       return (f'differs ({d.changed_lines} canonical lines; {outside.changed_lines} outside the'
-              f' declared modules {", ".join(self.declared_program_difference.paths)})')
+              f' declared modules {", ".join(declared.paths)})')
+    if declared is not None and d.changed_lines > declared.max_changed_lines:
+      return (f'differs ({d.changed_lines} canonical lines, over the declared bound of'
+              f' {declared.max_changed_lines})')
     return f'differs ({d.changed_lines} canonical lines)'
 
   @property

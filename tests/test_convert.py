@@ -434,12 +434,13 @@ def test_killed_mid_conversion(source, tmp_path, capsys, sig):
     assert os.listdir(dst) == [str(STEP)]
 
 
-def test_a_scenario_without_a_preset_picks_the_layout_and_checks_no_tree(source, tmp_path, capsys):
+@pytest.mark.parametrize('scenario,layout', [('08_bf16_weights', 'same'), ('10_scan_axis0', 'scan_axis0')])
+def test_a_scenario_without_a_preset_picks_the_layout_and_checks_no_tree(source, tmp_path, capsys, scenario, layout):
   """`--scenario` alone names a layout (any preset's); only `--preset` checks the tree.
 
   The baseline's float32 source does not match 08_bf16_weights (above), yet
   converts: a checkpoint of another preset must not be held to the tiny one.
   """
   dst = str(tmp_path / 'dst')
-  assert cli.main(['convert', source.dir, dst, '--to', 'nnx', '--scenario', '08_bf16_weights']) == 0
-  assert '(same)' in capsys.readouterr().out
+  assert cli.main(['convert', source.dir, dst, '--to', 'nnx', '--scenario', scenario]) == 0
+  assert f'({layout})' in capsys.readouterr().out

@@ -97,3 +97,15 @@ def test_meshes_of_two_sizes_are_a_usage_error(user_project):
       '--parity-mesh=data=8', '--parity-mesh=data=4', '-p', 'no:cacheprovider')
   assert result.ret == pytest.ExitCode.USAGE_ERROR
   result.stderr.fnmatch_lines(['ERROR: --parity-mesh: *data=8*data=4* take ?4, 8? devices; a mesh spans every device*'])
+
+
+def test_a_session_without_a_pair_keeps_its_xla_flags(pytester, monkeypatch):
+  """The plugin is active wherever the package is installed: a project with no pair keeps its XLA set-up."""
+  monkeypatch.delenv('XLA_FLAGS', raising=False)
+  pytester.makepyfile(test_plain='''
+import os
+
+def test_no_flags_were_set():
+    assert os.environ.get('XLA_FLAGS', '') == ''
+''')
+  pytester.runpytest_subprocess('-p', 'no:cacheprovider').assert_outcomes(passed=1)

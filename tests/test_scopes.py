@@ -97,3 +97,30 @@ def test_module_of_reads_through_transformations():
   assert programs.module_of('jvp(Encoder)/Dense_0/dot_general') == ['Dense_0']
   assert programs.module_of('jit(apply)/Net/LayerNorm_0/rsqrt') == ['LayerNorm_0']
   assert programs.module_of('jvp()/add') == []
+
+
+def _text(module_ops: list[str]) -> str:
+  """A program: `module_ops` located in module M (results `%0`, `%1`), then `%1 * %1` outside it."""
+  return '\n'.join([
+      'module @m {',
+      '  func.func public @main(%arg0: tensor<4xf32>) -> (tensor<4xf32>) {',
+      *[f'    {op} loc(#loc1)' for op in module_ops],
+      '    %2 = stablehlo.multiply %1, %1 : tensor<4xf32> loc(#loc2)',
+      '    return %2 : tensor<4xf32>',
+      '  }',
+      '}',
+      '#loc1 = loc("Net/M/op")',
+      '#loc2 = loc("Net/mul")',
+  ])
+
+
+def test_a_module_computing_otherwise_with_a_multi_result_operation_is_the_same_outside_it():
+  """One result of a multi-result operation inside the module (`%0#1`) is not an input from outside."""
+  two_results = _text([
+      '%0:2 = stablehlo.optimization_barrier %arg0, %arg0 : tensor<4xf32>, tensor<4xf32>',
+      '%1 = stablehlo.add %0#0, %0#1 : tensor<4xf32>',
+  ])
+  one_result = _text(['%0 = stablehlo.abs %arg0 : tensor<4xf32>', '%1 = stablehlo.add %0, %0 : tensor<4xf32>'])
+  assert not programs.diff(two_results, one_result).identical
+  d = programs.diff(two_results, one_result, opaque_modules=('M',))
+  assert d.identical, d.diff

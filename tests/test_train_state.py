@@ -61,14 +61,24 @@ def _spied(module, names, monkeypatch) -> list[str]:
                          ids=['linen', 'nnx'])
 def test_each_side_builds_its_state_and_step_with_its_packages_own_functions(side_type, module, monkeypatch):
   """The harness holds no copy of the train state, optimizer or step: a fresh side
-  (not the process's shared one) asks the model package for each (spied on here)."""
-  called = _spied(module, ('create_train_state', 'make_optimizer', 'make_train_step'), monkeypatch)
+  (not the process's shared one) asks the model package for each (spied on here),
+  and the optimizer its state steps with is the one the package made."""
+  called = _spied(module, ('create_train_state', 'make_train_step'), monkeypatch)
+  made = []
+  original = module.make_optimizer
+  monkeypatch.setattr(module, 'make_optimizer', lambda *a, **k: made.append(original(*a, **k)) or made[-1])
   model_cfg, train_cfg = get_configs('tiny', '01_baseline')
   side = side_type(model_cfg, train_cfg)
   state = side.template
-  assert called == ['create_train_state', 'make_optimizer']
+  assert called == ['create_train_state'] and len(made) == 1
+  if side_type is LinenSide:
+    tx = state.tx
+  else:
+    _, optimizer = nnx.merge(side.graphdef, state)
+    tx = optimizer.tx
+  assert tx is made[0]
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
            for k, v in data.make_batch(model_cfg, train_cfg, 0).items()}
   key = jax.eval_shape(lambda: rng.base_key(0))
   side.lower_train_step(state, batch, key)  # traced, not compiled
-  assert called[2:] == ['make_train_step']
+  assert called[1:] == ['make_train_step']
