@@ -35,6 +35,8 @@ class _Runs:
     try:
       mesh = None if mesh_spec is None else specs_lib.make_mesh(mesh_spec)
     except ValueError as e:
+      if 'devices, but' not in str(e):  # a malformed spec: its own message says what
+        raise
       raise ValueError(
           f'{e}. A mesh spans every device; on the CPU, XLA_FLAGS='
           '--xla_force_host_platform_device_count=N set before jax starts gives N devices'

@@ -101,3 +101,12 @@ def test_the_memory_check_fails_when_nothing_is_measured(monkeypatch):
   monkeypatch.setattr(runner, 'memory_of', lambda executable, device: {})
   with pytest.raises(AssertionError, match='memory analysis not measured'):
     battery.check_memory(classifier)
+
+
+def test_a_mesh_of_another_device_count_says_how_to_get_the_devices():
+  from parity import battery
+
+  with pytest.raises(ValueError, match=r"needs 4 devices, but 8 are available\. .*device_count=N"):
+    battery._Runs(classifier).sides('data=4')
+  with pytest.raises(ValueError, match=r"^bad mesh spec 'data'"):  # not a device count: its own message
+    battery._Runs(classifier).sides('data')
