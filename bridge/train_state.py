@@ -200,11 +200,13 @@ def _param_paths(flat: Mapping[str, Any], prefix: str) -> set[str]:
 
 
 def param_suffix(path: str, param_paths: Iterable[str]) -> str | None:
-  """The parameter path that `path` ends with (an optimizer leaf mirroring it)."""
-  for p in param_paths:
-    if path.endswith('/' + p):
-      return p
-  return None
+  """The parameter path that `path` ends with (an optimizer leaf mirroring it).
+
+  The longest one: where one parameter's path ends with another's
+  (`enc/head/kernel` and `head/kernel`), the mirror of the longer one ends
+  with both, and the answer must not depend on the order of `param_paths`.
+  """
+  return max((p for p in param_paths if path.endswith('/' + p)), key=len, default=None)
 
 
 def convert_step(value: Any, dtype: Any) -> Any:

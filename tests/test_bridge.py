@@ -139,3 +139,42 @@ def test_a_boxed_linen_state_flattens_as_its_arrays_and_refills_boxed():
   assert isinstance(back.params['kernel'], nn.LogicallyPartitioned)
   assert back.params['kernel'].names == ('embed', 'mlp')
   assert_bitwise_equal(doubled, paths.flatten(back), 'refilled boxed state')
+
+
+@pytest.mark.parametrize('order', [1, -1], ids=['short_first', 'long_first'])
+def test_an_optimizer_leaf_mirrors_the_longest_parameter_path_it_ends_with(order):
+  """`enc/head/kernel`'s moment ends with `head/kernel` too: the answer is the longer, in any order."""
+  params = ['head/kernel', 'enc/head/kernel'][::order]
+  assert bridge_state.param_suffix('opt_state/0/mu/enc/head/kernel', params) == 'enc/head/kernel'
+  assert bridge_state.param_suffix('opt_state/0/mu/head/kernel', params) == 'head/kernel'
+  assert bridge_state.param_suffix('opt_state/0/count', params) is None
+
+
+def test_stock_moments_of_nested_same_named_modules_keep_their_paths():
+  """A model with `head` (renamed `Dense_0`) and `enc/head`: each Adam moment keeps its parameter's path."""
+  import optax
+  from flax import nnx
+
+  from bridge import stock as bridge_stock
+
+  class Enc(nnx.Module):
+    def __init__(self, rngs):
+      self.head = nnx.Linear(2, 2, rngs=rngs)
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.head = nnx.Linear(2, 2, rngs=rngs)
+      self.enc = Enc(rngs)
+
+  def state():
+    model = Model(nnx.Rngs(0))
+    return nnx.split((model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)))[1]
+
+  flat = bridge_stock.nnx_to_checkpoint(
+      nnx.eval_shape(state), bridge_stock.Renames((('Dense_0', 'head'),)), convert=False
+  )
+  params = {p[len('params/'):] for p in flat if p.startswith('params/')}
+  assert {'Dense_0/kernel', 'enc/head/kernel'} <= params, sorted(flat)
+  for moment in ('mu', 'nu'):
+    prefix = f'opt_state/0/{moment}/'
+    assert {p[len(prefix):] for p in flat if p.startswith(prefix)} == params, sorted(flat)
