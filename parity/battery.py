@@ -126,7 +126,10 @@ def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping
     if known is None:
       problems.append(str(d))
       continue
-    ulp = bitwise.max_ulp(a[d.path], b[d.path])
+    ulp = bitwise.ulp_distance(a[d.path], b[d.path])
+    if ulp is None:  # not floats: a bound in ULP does not cover it
+      problems.append(f'{d} (declared bound {known.max_ulp} ULP, but these are not floats)')
+      continue
     line = f'{d.path}: {ulp} ULP (declared bound {known.max_ulp}: {known.reason})'
     (seen if ulp <= known.max_ulp else problems).append(line)
   if problems:
@@ -377,6 +380,9 @@ def check_localize(pair: adapter.Pair) -> list[str]:
     known = pair.known(result.forward, 'forward')
     if known is None:
       problems.append(f'forward divergence in undeclared module {result.forward}')
+    elif result.forward_ulp is None:
+      problems.append(f'{result.forward}: {result.details[result.forward_call]} (a declared bound in ULP'
+                      ' covers float values of one dtype and shape only)')
     elif result.forward_ulp > known.max_ulp:
       problems.append(f'{result.forward}: {result.forward_ulp} ULP exceeds the declared {known.max_ulp}')
     else:

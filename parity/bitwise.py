@@ -124,6 +124,14 @@ def max_ulp(a: Any, b: Any) -> int:
   return int(np.max(np.abs(_ordered(bits_a, width) - _ordered(bits_b, width))))
 
 
+def ulp_distance(a: Any, b: Any) -> int | None:
+  """`max_ulp(a, b)`, or None where ULPs mean nothing: shapes or dtypes differ, or not floats."""
+  a, b = np.asarray(a), np.asarray(b)
+  if a.shape != b.shape or a.dtype != b.dtype or not _is_float(a.dtype):
+    return None
+  return max_ulp(a, b)
+
+
 def digest(flat: Any) -> str:
   """sha256 over every leaf's path, dtype, shape and raw bits (a tree's identity, bit for bit)."""
   import hashlib

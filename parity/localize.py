@@ -219,12 +219,12 @@ class Localization:
   forward: str | None  # the module whose forward computation first differs
   forward_call: str | None  # the first module call whose output differs
   forward_inside: bool  # True: `forward` differs between its submodules' calls, not in one of them
-  forward_ulp: int | None  # max ULP of the first differing value (the call's input when inside)
+  forward_ulp: int | None  # max ULP of the first differing value (the call's input when inside); None: see _max_ulp
   backward: list[tuple[str, list[str]]]  # (module, its parameters whose gradients differ)
   only_linen: list[str]
   only_nnx: list[str]
   details: dict[str, str]  # path -> bitwise detail of the first differing values
-  backward_ulp: dict[str, int] = dataclasses.field(default_factory=dict)  # module -> max ULP
+  backward_ulp: dict[str, int | None] = dataclasses.field(default_factory=dict)  # module -> max ULP (None: see _max_ulp)
   compared_calls: int = 0  # module calls found on both sides (their outputs compared)
   compared_grads: int = 0  # parameter gradients found on both sides
   only_linen_grads: list[str] = dataclasses.field(default_factory=list)
@@ -362,18 +362,21 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       if p in nnx_probe.param_grads and differs(linen.param_grads[p], nnx_probe.param_grads[p], p)
   ]
   backward = []
-  backward_ulp: dict[str, int] = {}
+  backward_ulp: dict[str, int | None] = {}
   claimed: set[str] = set()
   # Innermost first: a module claims the differing gradients of its own
   # parameters when its output cotangent is equal; its parents then do not.
-  for call in sorted(cot_equal, key=lambda c: -_depth(_module_of(c))):
+  # Modules of one depth in the backward pass's order (the forward's reversed),
+  # so the first one named is the same on every run.
+  position = {call: i for i, call in enumerate(common)}
+  for call in sorted(cot_equal, key=lambda c: (-_depth(_module_of(c)), -position[c])):
     module = _module_of(call)
     mine = [p for p in bad if _under(p, module) and p not in claimed]
     if mine:
       backward.append((module, mine))
       claimed.update(mine)
-      backward_ulp[module] = max(
-          bitwise.max_ulp(linen.param_grads[p], nnx_probe.param_grads[p]) for p in mine
+      backward_ulp[module] = _max_ulp(
+          (linen.param_grads[p], nnx_probe.param_grads[p]) for p in mine
       )
   return Localization(
       forward=forward,
@@ -396,6 +399,15 @@ def _forward_ulp(linen: adapter.Probe, nnx_probe: adapter.Probe, call: str | Non
   if call is None:
     return None
   if inside:
-    return bitwise.max_ulp(linen.inputs[call], nnx_probe.inputs[call])
+    return bitwise.ulp_distance(linen.inputs[call], nnx_probe.inputs[call])
   keys = [k for k in linen.outputs if k.split(':')[0] == call and k in nnx_probe.outputs]
-  return max(bitwise.max_ulp(linen.outputs[k], nnx_probe.outputs[k]) for k in keys)
+  return _max_ulp((linen.outputs[k], nnx_probe.outputs[k]) for k in keys)
+
+
+def _max_ulp(pairs) -> int | None:
+  """The largest ULP distance of the differing (Linen, NNX) value pairs.
+
+  None when one of them has none: its dtypes or shapes differ, or it is not floats.
+  """
+  ulps = [bitwise.ulp_distance(a, b) for a, b in pairs if not bitwise.bitwise_equal(a, b)]
+  return None if any(u is None for u in ulps) else max(ulps, default=0)

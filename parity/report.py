@@ -262,8 +262,9 @@ class Report:
     first = r.first_divergent_module
     if first is not None:
       layer = '' if first['layer'] is None else f', layer {first["layer"]}'
-      out.append(f'  first divergent module: {first["path"]}{layer}, {first["pass"]} pass,'
-                 f' max {first["max_ulp"]} ULP')
+      ulp = ('no ULP distance (dtypes or shapes differ)' if first['max_ulp'] is None
+             else f'max {first["max_ulp"]} ULP')
+      out.append(f'  first divergent module: {first["path"]}{layer}, {first["pass"]} pass, {ulp}')
     return out + [f'  {line}' for line in r.localizer]
 
   def markdown(self) -> str:

@@ -170,14 +170,15 @@ class CompareResult:
     """Memory equal to the byte and programs identical beyond the allowlist, or different by design.
 
     By design: a declared program difference (within its bound of canonical
-    lines, the program identical outside its modules); or a layout move,
-    where the programs differ but the arguments and outputs (the state) take
-    the same bytes and only temporaries may differ (`LAYOUT_MOVE_MEMORY`).
+    lines, the program identical outside its modules; memory equal to the
+    byte, as the battery's memory part asserts); or a layout move, where the
+    programs differ but the arguments and outputs (the state) take the same
+    bytes and only temporaries may differ (`LAYOUT_MOVE_MEMORY`).
     """
     if self.expected_difference is None:
       return not self.memory_drift and (self.program_diff is None or self.program_diff.identical)
     if self.declared_program_difference is not None:
-      return True
+      return not self.memory_drift
     return not memory_drift(self.linen.memory, self.nnx.memory, exclude=LAYOUT_MOVE_MEMORY)
 
   @property

@@ -110,3 +110,21 @@ def test_a_mesh_of_another_device_count_says_how_to_get_the_devices():
     battery._Runs(classifier).sides('data=4')
   with pytest.raises(ValueError, match=r"^bad mesh spec 'data'"):  # not a device count: its own message
     battery._Runs(classifier).sides('data')
+
+
+def test_a_declared_ulp_bound_does_not_cover_integers():
+  """A declared difference bounds float values in ULP; an integer leaf that differs is a
+  failure naming it, not a crash of the ULP measure."""
+  import numpy as np
+
+  from parity import battery
+
+  declared = KnownDifference(('count', 'w'), ('train',), 'test', max_ulp=4)
+  pair = dataclasses.replace(classifier, known_differences=(declared,))
+  a = {'count': np.int32(3), 'w': np.float32(1.0)}
+  b = {'count': np.int32(4), 'w': np.nextafter(np.float32(1.0), np.float32(2.0))}
+  with pytest.raises(AssertionError, match=r'count: .*declared bound 4 ULP, but these are not floats'):
+    battery.compare(pair, 'train', a, b, 'final states')
+  assert battery.compare(pair, 'train', {'w': a['w']}, {'w': b['w']}, 'final states') == [
+      'w: 1 ULP (declared bound 4: test)'
+  ]

@@ -42,7 +42,8 @@ _grad_scaled.defvjp(lambda w: (w, None), lambda _, g: (g * 1.0001,))
 
 
 class BrokenLinear(nnx.Linear):
-  """nnx.Linear, broken in the forward (`bias_offset`) or only the backward (`scale_grad`)."""
+  """nnx.Linear, broken in the forward (a bias offset), only the backward (a scaled
+  kernel gradient), or in its output's dtype (bfloat16, as a wrong `dtype=` gives)."""
 
   def __init__(self, *args, mode: str, **kwargs):
     super().__init__(*args, **kwargs)
@@ -51,16 +52,20 @@ class BrokenLinear(nnx.Linear):
   def __call__(self, x):
     if self.mode == 'backward':
       return x @ _grad_scaled(self.kernel[...]) + self.bias[...]
+    if self.mode == 'dtype':
+      return super().__call__(x).astype(jnp.bfloat16)
     return super().__call__(x) + 1e-3
 
 
 class NnxMlp(nnx.Module):
-  def __init__(self, broken: tuple[int, str] | None, rngs: nnx.Rngs):
+  def __init__(self, broken: tuple[int, str] | dict[int, str] | None, rngs: nnx.Rngs):
+    """`broken`: (layer, mode), or {layer: mode} for several."""
+    breaks = dict([broken]) if isinstance(broken, tuple) else dict(broken or {})
     sizes = (6,) + FEATURES
     layers = []
     for i in range(len(FEATURES)):
-      if broken is not None and broken[0] == i:
-        layers.append(BrokenLinear(sizes[i], sizes[i + 1], mode=broken[1], rngs=rngs))
+      if i in breaks:
+        layers.append(BrokenLinear(sizes[i], sizes[i + 1], mode=breaks[i], rngs=rngs))
       else:
         layers.append(nnx.Linear(sizes[i], sizes[i + 1], rngs=rngs))
     self.layers = nnx.List(layers)
@@ -133,6 +138,23 @@ def test_a_backward_only_break_is_named_at_its_module(layer):
       f'backward pass: inside module dense_{layer}: output cotangent bitwise equal,'
       f' gradients differ: params/dense_{layer}/kernel'
   )
+
+
+def test_a_dtype_break_is_named_without_a_ulp_distance():
+  """A bfloat16 output against float32: the module is named; ULPs between two dtypes mean nothing."""
+  result = _localize((1, 'dtype'))
+  assert result.forward == 'dense_1' and not result.forward_inside, result.lines()
+  assert result.details['dense_1'] == 'float32 vs bfloat16', result.details
+  first = result.first(0)
+  assert (first['path'], first['pass'], first['max_ulp']) == ('dense_1', 'forward', None)
+
+
+def test_backward_breaks_at_one_depth_are_named_in_the_backward_pass_order():
+  """Two modules of one depth with differing gradients: the one the backward pass runs first
+  (the later in the forward) comes first, on every run (not in a set's hash order)."""
+  result = _localize({0: 'backward', 2: 'backward'})
+  assert [m for m, _ in result.backward] == ['dense_2', 'dense_0'], result.lines()
+  assert result.first(0)['path'] == 'dense_2'
 
 
 # ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@ The equivalence checks here are bitwise (parity.bitwise) with no tolerance.
 The timing and FLOPs checks are not equivalence checks: each states the
 bound it asserts and why.
 """
+import dataclasses
 import difflib
 import io
 import re
@@ -358,3 +359,22 @@ def test_progress_bar_on_a_terminal_and_plain_lines_otherwise():
           f'step 1 (2/2): Linen {report._seconds(linen.step_times[1])} s,'
           f' NNX {report._seconds(linen.step_times[1])} s, losses equal',
       ]
+
+
+def test_a_declared_program_difference_does_not_excuse_a_memory_difference():
+  """Within its declared bound and identical outside its modules, a program difference is
+  by design; memory is not part of the declaration, and must still be equal to the byte."""
+  from parity.adapter import KnownDifference
+
+  declared = KnownDifference(('BatchNorm_0',), ('program',), 'lowers differently', max_changed_lines=10)
+  memory = dict(argument_bytes=100, output_bytes=100, temp_bytes=10, alias_bytes=0, peak_bytes=210)
+  result = runner.CompareResult(
+      3, 'linen', runner.SideRun(memory=memory), runner.SideRun(memory=dict(memory)), None, [],
+      declared_program_difference=declared,
+      program_diff=programs.ProgramDiff(False, 1, 10, 10, 4, '-a\n+b'),
+      program_diff_outside=programs.ProgramDiff(True, None, 8, 8, 0, ''),
+  )
+  assert result.expected_difference is not None and result.same_program
+  grown = dict(memory, argument_bytes=4100, peak_bytes=4210)
+  moved = dataclasses.replace(result, nnx=dataclasses.replace(result.nnx, memory=grown))
+  assert moved.expected_difference is not None and not moved.same_program
