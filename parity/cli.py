@@ -1,7 +1,8 @@
 """`parity`: spec tables and side-by-side runs of the Linen and NNX implementations.
 
-Exit status: 0 equal, 1 the sides differ, 2 bad input (or out of memory), 3
-a process of `--processes N` failed or hung.
+Exit status: 0 equal (or converted), 1 the sides differ, 2 bad input (or out
+of memory, or a conversion that could not write or was interrupted), 3 a
+process of `--processes N` failed or hung.
 """
 from __future__ import annotations
 

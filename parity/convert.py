@@ -3,7 +3,9 @@
 Both sides of this project write the Linen layout (`parity.checkpoints`), so
 they need no conversion. This is for codebases whose NNX side keeps its own
 native tree: `0/<path>` for the model (parameters and fp8 scaling state,
-Linen's `params/params/` and `fp8_meta/`), `1/step` (uint32, as
+Linen's `params/params/` and `fp8_meta/`; a model leaf is fp8 state when its
+last path segment is an fp8 delayed-scaling variable's name, FP8_META_NAMES),
+`1/step` (uint32, as
 `nnx.Optimizer` keeps it) and `1/opt_state/<...>/<param path>` for the
 optimizer, the paths of `nnx.state((model, optimizer))`, and possibly
 parameters stored differently. Layouts (`--layout`):
@@ -31,13 +33,19 @@ state. Arrays are written with tensorstore into a zarr3 + OCDBT Orbax step
 directory, `_METADATA` and `_sharding` rewritten to match; other items (the
 dropout key) are copied. Everything goes into a temporary directory next to
 DST, renamed into place only when complete; SRC is only ever read; a
-non-empty DST is refused unless `overwrite`. SIGTERM or Ctrl-C removes the
-temporary directory; after SIGKILL the next conversion to that DST does.
+non-empty DST is refused unless `overwrite`, which renames the old DST aside,
+the new one into its place, then removes the old one (SIGTERM and Ctrl-C wait
+while the two renames run). SIGTERM or Ctrl-C removes the temporary
+directory; after SIGKILL the next conversion to that DST does (and puts an
+old DST back if the kill came between the two renames). A failure to write
+(a full disk, a file size limit) is one ConvertError: nothing written to DST.
 
 Damage is caught where the format allows: a truncated file, an overwritten
 region (zarr3 shard indexes carry a crc32c). Orbax writes zstd frames
-without checksums, so one flipped bit inside array data can go unnoticed;
-the converter's own output has zstd checksums on.
+without checksums, so one flipped bit inside array data can go unnoticed.
+Arrays the converter re-encodes (a layout change, the step's dtype) are
+written with zstd checksums on; arrays copied byte for byte keep the
+source's encoding, checksums or none.
 """
 from __future__ import annotations
 
@@ -71,6 +79,12 @@ BOX_BYTES = 64 * 2**20
 MAX_WRITES_IN_FLIGHT = 2
 LAYERS = 'decoder/layers/'
 FP8_META = 'fp8_meta/'  # fp8 scaling state (bridge.train_state.FP8_PREFIX); NNX: model state
+# The fp8 delayed-scaling variables: flax's Fp8DirectDotGeneralOp on the Linen
+# side, models/nnx/layers.py Fp8DotGeneral's `Fp8Meta` on the NNX side.
+FP8_META_NAMES = frozenset({
+    'input_amax_history', 'kernel_amax_history', 'output_grad_amax_history',
+    'input_scale', 'kernel_scale', 'output_grad_scale',
+})
 _UNSCANNED = re.compile(r'^decoder/layers_(\d+)/(.*)$')
 _SCAN_AXIS = re.compile(r'^scan_axis(\d+)$')
 LAYOUT_HELP = "'same', 'scan_axis<N>' (e.g. scan_axis0) or 'unscanned'"
@@ -83,7 +97,10 @@ class ConvertError(ValueError):
 
 
 class Interrupted(ConvertError):
-  """SIGTERM arrived mid-conversion (the temporary output is removed)."""
+  """SIGTERM or Ctrl-C arrived mid-conversion (the temporary output is removed)."""
+
+
+NOTHING_WRITTEN = 'nothing written to DST, SRC untouched'
 
 
 # ---------------------------------------------------------------- layouts ---
@@ -312,6 +329,11 @@ def _first_line(error: BaseException) -> str:
   return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+def _write_failure(error: BaseException) -> str:
+  """The first line of a failure to write, less tensorstore's spec (a long JSON)."""
+  return re.sub(r" \[tensorstore_spec='.*?'\]", '', _first_line(error))
+
+
 def _unreadable(path: str, item_dir: str, error: BaseException) -> str:
   return (
       f'array {path} in {item_dir} cannot be read (file missing, truncated or corrupted):'
@@ -433,12 +455,18 @@ def plan_to_nnx(arrays: Mapping[str, SourceArray], layout: Layout, rename: _Rena
   return jobs
 
 
+def _is_fp8_meta(linen_param: str) -> bool:
+  return linen_param.rsplit('/', 1)[-1] in FP8_META_NAMES
+
+
 def plan_to_linen(arrays: Mapping[str, SourceArray], layout: Layout, rename: _Renamer) -> list[Job]:
-  """The model's leaves that the optimizer state mirrors are parameters; the
-  others are fp8 scaling state (`fp8_meta/` on the Linen side)."""
+  """A model leaf named as fp8 scaling state (FP8_META_NAMES: its last path
+  segment, rename rules undone) goes to `fp8_meta/`, every other one is a
+  parameter (`params/params/`), with or without optimizer state. Unscanned:
+  every array under `decoder/layers/` comes from `decoder/layers_<i>/`
+  arrays, as many layers for each."""
   model = [p[len('0/'):] for p in arrays if p.startswith('0/')]
-  optimizer = [p for p in arrays if p.startswith('1/opt_state/')]
-  params = [p for p in model if not optimizer or any(o.endswith('/' + p) for o in optimizer)]
+  params = [p for p in model if not _is_fp8_meta(rename(p))]
   params.sort(key=len, reverse=True)
   param_set = set(params)
   groups: dict[str, dict[int | None, str]] = collections.defaultdict(dict)
@@ -467,6 +495,9 @@ def plan_to_linen(arrays: Mapping[str, SourceArray], layout: Layout, rename: _Re
       problems.append(Problem(
           path, 'extra', 'an NNX state path (0/<param>, 1/step, 1/opt_state/...)', _describe(src)
       ))
+  # Every stacked array has as many layers: the most common count (the larger on a tie).
+  counts = collections.Counter(max(m) + 1 for m in groups.values() if None not in m)
+  layers = max(counts, key=lambda n: (counts[n], n), default=0)
   jobs = []
   for dst, members in groups.items():
     linen_param = _split_linen(dst)[1]
@@ -475,12 +506,18 @@ def plan_to_linen(arrays: Mapping[str, SourceArray], layout: Layout, rename: _Re
         problems.append(Problem(dst, 'duplicate', 'one source', ', '.join(sorted(members.values()))))
         continue
       src = arrays[members[None]]
+      if layout.unscanned and linen_param.startswith(LAYERS):
+        problems.append(Problem(
+            src.path, 'layers', 'one array per layer (decoder/layers_<i>/...)',
+            f'{_describe(src)} with no layer index',
+        ))
+        continue
       fields = layout.linen_fields(linen_param, len(src.shape))
       jobs.append(Job(dst, _transformed_shape(src.shape, fields), src.dtype, Transform((src.path,), **fields)))
       continue
     indices = sorted(members)
-    if indices != list(range(len(indices))):
-      problems.append(Problem(dst, 'layers', f'layers 0..{len(indices) - 1}', f'layers {indices}'))
+    if indices != list(range(layers)):
+      problems.append(Problem(dst, 'layers', f'layers 0..{layers - 1}', f'layers {indices}'))
       continue
     sources = [arrays[members[i]] for i in indices]
     first = sources[0]
@@ -852,21 +889,55 @@ def _pid_alive(pid: int) -> bool:
   return True
 
 
-def remove_stale_partials(dst: str) -> list[str]:
-  """Removes temporary directories left by conversions to `dst` that were killed."""
+_REPLACED = '-replaced'  # the old DST, renamed aside by the swap of `overwrite`
+
+
+def _stale_partials(dst: str) -> list[tuple[str, bool]]:
+  """[(path, is an old DST put aside)] left next to `dst` by conversions no longer running."""
   prefix = _partial_prefix(dst)
   parent, base = os.path.split(prefix)
-  removed = []
   if not os.path.isdir(parent):
-    return removed
-  for name in os.listdir(parent):
+    return []
+  out = []
+  for name in sorted(os.listdir(parent)):
     if not name.startswith(base):
       continue
     pid = name[len(base):]
+    replaced = pid.endswith(_REPLACED)
+    pid = pid[: -len(_REPLACED)] if replaced else pid
     if not pid.isdigit() or (_pid_alive(int(pid)) and int(pid) != os.getpid()):
       continue  # another conversion's, still running (or not ours to judge)
-    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-    removed.append(os.path.join(parent, name))
+    out.append((os.path.join(parent, name), replaced))
+  return out
+
+
+def restore_replaced(dst: str) -> str | None:
+  """Puts an old DST back that a swap killed between its two renames left aside; returns where it was."""
+  if os.path.lexists(dst):
+    return None
+  aside = [path for path, replaced in _stale_partials(dst) if replaced]
+  if not aside:
+    return None
+  old = max(aside, key=lambda path: os.lstat(path).st_ctime)  # the latest swap's
+  try:
+    os.rename(old, dst)
+  except OSError as e:
+    raise ConvertError(
+        f'DST {dst} is missing and the old DST, put aside in {old} by a conversion that was killed,'
+        f' cannot be moved back: {e.strerror}'
+    ) from None
+  return old
+
+
+def remove_stale_partials(dst: str) -> list[str]:
+  """Removes temporary directories left by conversions to `dst` that were killed,
+  and old DSTs they put aside (once DST exists)."""
+  removed = []
+  for path, replaced in _stale_partials(dst):
+    if replaced and not os.path.lexists(dst):
+      continue  # the only copy of DST: restore_replaced puts it back
+    shutil.rmtree(path, ignore_errors=True)
+    removed.append(path)
   return removed
 
 
@@ -885,7 +956,20 @@ def _check_dst(src: str, dst: str, overwrite: bool) -> None:
 
 
 class _Signals:
-  """SIGTERM raises Interrupted in the main thread, so temporary output is removed."""
+  """SIGTERM raises Interrupted in the main thread, so temporary output is removed.
+
+  `moved`: DST holds the conversion now (an Interrupted says so).
+  """
+
+  def __init__(self):
+    self.moved = False
+
+  def interrupted(self, signum: int) -> Interrupted:
+    if self.moved:
+      return Interrupted(
+          f'interrupted by signal {signum} after the conversion was moved into place; DST holds it, SRC untouched'
+      )
+    return Interrupted(f'interrupted by signal {signum}; {NOTHING_WRITTEN}')
 
   def __enter__(self):
     self.previous = None
@@ -893,14 +977,41 @@ class _Signals:
       self.previous = signal.signal(signal.SIGTERM, self._raise)
     return self
 
-  @staticmethod
-  def _raise(signum, frame):
+  def _raise(self, signum, frame):
     del frame
-    raise Interrupted(f'interrupted by signal {signum}; nothing written to DST, SRC untouched')
+    raise self.interrupted(signum)
 
   def __exit__(self, *exc):
     if self.previous is not None:
       signal.signal(signal.SIGTERM, self.previous)
+    return False
+
+
+class _HeldSignals:
+  """SIGTERM and SIGINT wait until the block ends (it is never cut in half), then raise Interrupted.
+
+  Not a signal mask: a mask holds a signal back from one thread only, and the
+  kernel then hands it to another (tensorstore's); Python runs every handler
+  in the main thread anyway, so these handlers just note the signal.
+  """
+
+  def __init__(self, signals: _Signals):
+    self.signals = signals
+    self.caught: list[int] = []
+    self.previous: dict[int, Any] = {}
+
+  def __enter__(self):
+    if _in_main_thread():
+      for sig in (getattr(signal, 'SIGTERM', None), signal.SIGINT):
+        if sig is not None and signal.getsignal(sig) not in (signal.SIG_IGN, None):  # not ignored
+          self.previous[sig] = signal.signal(sig, lambda signum, frame: self.caught.append(signum))
+    return self
+
+  def __exit__(self, exc_type, exc, tb):
+    for sig, handler in self.previous.items():
+      signal.signal(sig, handler)
+    if self.caught and exc_type is None:
+      raise self.signals.interrupted(self.caught[0])
     return False
 
 
@@ -928,7 +1039,9 @@ def convert(
   `configs` = (ModelConfig, TrainConfig): the Linen-side tree must be that
   config's train state (each mismatching path listed), and the Linen scan
   axis is taken from it. Raises ConvertError / TreeMismatchError on bad
-  input, with nothing written.
+  input, and ConvertError when the output cannot be written, with nothing
+  written to DST; Interrupted on SIGTERM or Ctrl-C (saying whether DST
+  already holds the conversion).
   """
   import tensorstore as ts
 
@@ -940,6 +1053,7 @@ def convert(
     linen_axis = configs[0].param_scan_axis if configs else 1
     layout = parse_layout(layout, linen_axis)
   step, step_dir = find_step(src, step)
+  restore_replaced(dst)
   _check_dst(src, dst, overwrite)
   step_metadata = _read_json(os.path.join(step_dir, CHECKPOINT_METADATA), 'Orbax step metadata')
   items = [
@@ -967,8 +1081,10 @@ def convert(
   remove_stale_partials(dst)
   tmp = _partial_prefix(dst) + str(os.getpid())
   state = Progress(len(jobs), sum(j.nbytes for j in jobs))
+  signals = _Signals()
+  stage, old = 'writing the converted arrays', None
   try:
-    with _Signals():
+    with signals:
       step_dir_out = os.path.join(tmp, str(step))
       try:
         writer = ItemWriter(os.path.join(step_dir_out, ITEMS))
@@ -985,15 +1101,32 @@ def convert(
         _write_json(os.path.join(writer.item_dir, '_sharding'), sharding)
       for name in items:
         if name != ITEMS:
+          stage = f'copying item {name}'
           shutil.copytree(os.path.join(step_dir, name), os.path.join(step_dir_out, name))
+      stage = 'writing the step metadata'
       write_step_metadata(
           step_dir_out, items, {'parity_convert': {'source': src, 'step': step, 'to': to, 'layout': layout.name}},
           base=step_metadata,
       )
+      stage = 'syncing the conversion to disk'
       _fsync_tree(tmp)
-      _move_into_place(tmp, dst)
-  except BaseException:
+      stage = 'moving the conversion into DST'
+      with _HeldSignals(signals):
+        old = _move_into_place(tmp, dst)
+        signals.moved = True
+      # A signal held back raised above; one from here on finds DST holding the conversion.
+      if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+  except BaseException as e:
+    if signals.moved:
+      if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+      if isinstance(e, KeyboardInterrupt):
+        raise signals.interrupted(signal.SIGINT) from None
+      raise
     shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(e, (OSError, ValueError)) and not isinstance(e, (ConvertError, TreeMismatchError)):
+      raise ConvertError(f'{stage} failed: {_write_failure(e)}; {NOTHING_WRITTEN}') from None
     raise
   return ConvertResult(step, len(jobs), state.bytes_total, time.perf_counter() - start, dst)
 
@@ -1014,17 +1147,28 @@ def _fsync_tree(root: str) -> None:
         os.close(fd)
 
 
-def _move_into_place(tmp: str, dst: str) -> None:
-  old = None
+def _move_into_place(tmp: str, dst: str) -> str | None:
+  """Renames `tmp` to `dst`; returns where the old DST was put aside, to remove (None if none).
+
+  If the second rename fails, the old DST goes back.
+  """
+  old, emptied = None, False
   if os.path.lexists(dst):
     if os.listdir(dst):
-      old = _partial_prefix(dst) + f'{os.getpid()}-replaced'
+      old = _partial_prefix(dst) + f'{os.getpid()}{_REPLACED}'
       os.rename(dst, old)
     else:
       os.rmdir(dst)
-  os.rename(tmp, dst)
-  if old is not None:
-    shutil.rmtree(old, ignore_errors=True)
+      emptied = True
+  try:
+    os.rename(tmp, dst)
+  except BaseException:
+    if old is not None:
+      os.rename(old, dst)  # should this fail too, the next conversion to DST puts it back
+    elif emptied:
+      os.mkdir(dst)
+    raise
+  return old
 
 
 # -------------------------------------------------------------------- CLI ---
@@ -1086,9 +1230,11 @@ def cmd_convert(args) -> int:
       if args.preset is not None:
         configs = layout_configs
     layout = args.layout or (layout_name_for(layout_configs[0]) if layout_configs else 'same')
+    # The Linen scan axis is the scenario's, with or without --preset.
+    parsed = parse_layout(layout, layout_configs[0].param_scan_axis) if layout_configs else layout
     rules = read_rename_rules(args.rules) if args.rules else None
     result = convert(
-        args.src, args.dst, to=args.to, layout=layout, step=args.step, overwrite=args.overwrite,
+        args.src, args.dst, to=args.to, layout=parsed, step=args.step, overwrite=args.overwrite,
         rename_rules=rules, progress=_tty_progress(sys.stderr) if sys.stderr.isatty() else None,
         configs=configs,
     )

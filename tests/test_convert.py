@@ -11,11 +11,14 @@ stderr (a tree mismatch lists each path on a line of its own), and leaves
 nothing behind: no DST, no temporary directory, SRC unchanged. A conversion
 killed mid-way is tested in a subprocess, paused inside the conversion and
 sent SIGTERM (it cleans up and exits 2) or SIGKILL (no DST; the next
-conversion to that DST removes the leftover temporary directory).
+conversion to that DST removes the leftover temporary directory). Smaller
+cases (NNX trees to classify or refuse, the swap of `--overwrite` cut off, a
+write that fails) use tiny checkpoints written with the converter's writer.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import io
 import os
@@ -29,12 +32,15 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+import tensorstore as ts
 
 from bridge import paths
+from bridge import train_state
 from models import rng
 from models.config import get_configs, replace
 from parity import checkpoints as ck
 from parity import cli
+from parity import convert
 from parity.bitwise import assert_bitwise_equal
 from parity.sides import make_sides
 
@@ -172,6 +178,14 @@ def test_fp8_scaling_state_converts_with_the_model(tmp_path, layout):
   assert_bitwise_equal(expected, _read(nnx_dir)[ck.ITEMS], f'fp8 NNX layout {layout}')
   assert cli.main(['convert', nnx_dir, back_dir, '--to', 'linen', '--layout', layout]) == 0
   assert_bitwise_equal(flat, _read(back_dir)[ck.ITEMS], f'fp8 {layout} and back')
+
+
+def test_fp8_state_names_are_the_models():
+  """`--to linen` tells fp8 scaling state by name: the fp8 scenario's `Fp8Meta` variables (and Linen's)."""
+  linen, nnx_side = make_sides(*get_configs('tiny', '05_fp8'))
+  nnx_names = {p.rsplit('/', 1)[1] for p in train_state._fp8_paths(nnx_side.template)}
+  linen_names = {p.rsplit('/', 1)[1] for p in linen.abstract_checkpoint() if p.startswith('fp8_meta/')}
+  assert nnx_names == linen_names == set(convert.FP8_META_NAMES)
 
 
 RULES = """\
@@ -444,3 +458,227 @@ def test_a_scenario_without_a_preset_picks_the_layout_and_checks_no_tree(source,
   dst = str(tmp_path / 'dst')
   assert cli.main(['convert', source.dir, dst, '--to', 'nnx', '--scenario', scenario]) == 0
   assert f'({layout})' in capsys.readouterr().out
+
+
+# ------------------------------------------------ small checkpoints by hand ---
+
+F32 = np.float32
+LINEN_TREE = {'step': np.int32(STEP), 'params/params/x': np.arange(12, dtype=F32).reshape(3, 4)}
+
+
+def _write_checkpoint(directory, arrays) -> str:
+  """Checkpoint directory `directory` holding step STEP: `arrays` (a chunk each) and a dropout key."""
+  step_dir = os.path.join(directory, str(STEP))
+  for item, tree in ((ck.ITEMS, arrays), (ck.RNG, {ck.DROPOUT_BASE: np.array([1, 2], np.uint32)})):
+    writer = convert.ItemWriter(os.path.join(step_dir, item))
+    for path, x in tree.items():
+      x = np.asarray(x)
+      writer.write(path, x.shape, x.dtype, x.shape, iter([(tuple(slice(0, n) for n in x.shape), x)]))
+    writer.finish()
+  convert.write_step_metadata(step_dir, [ck.ITEMS, ck.RNG])
+  return str(directory)
+
+
+def _paths(directory) -> list[str]:
+  """The train state's paths at step STEP, sorted."""
+  arrays, _ = convert.read_item(os.path.join(directory, str(STEP), ck.ITEMS), ts.Context())
+  return sorted(arrays)
+
+
+@pytest.mark.parametrize('nnx_tree,linen_paths', [
+    (  # b/kernel is frozen: no optimizer state mirrors it
+        {'0/a/kernel': np.ones((2, 2), F32), '0/b/kernel': np.ones((2, 2), F32),
+         '0/a/input_scale': np.ones((1,), F32), '0/a/kernel_amax_history': np.ones((4,), F32),
+         '1/opt_state/0/mu/a/kernel': np.ones((2, 2), F32), '1/opt_state/0/count': np.int32(1),
+         '1/step': np.uint32(STEP)},
+        ['fp8_meta/a/input_scale', 'fp8_meta/a/kernel_amax_history', 'opt_state/0/count',
+         'opt_state/0/mu/params/a/kernel', 'params/params/a/kernel', 'params/params/b/kernel', 'step'],
+    ),
+    (  # an optimizer without per-parameter state
+        {'0/a/kernel': np.ones((2, 2), F32), '1/opt_state/1/count': np.int32(1), '1/step': np.uint32(STEP)},
+        ['opt_state/1/count', 'params/params/a/kernel', 'step'],
+    ),
+], ids=['frozen_parameter', 'optimizer_with_only_a_count'])
+def test_model_leaves_are_parameters_unless_named_as_fp8_state(tmp_path, nnx_tree, linen_paths):
+  src, dst = _write_checkpoint(tmp_path / 'nnx', nnx_tree), str(tmp_path / 'linen')
+  assert cli.main(['convert', src, dst, '--to', 'linen']) == 0
+  assert _paths(dst) == linen_paths
+
+
+def test_unscanned_layout_refuses_layers_still_stacked(tmp_path, capsys):
+  """`--layout unscanned` reads `decoder/layers_<i>/...`; a stacked `decoder/layers/...` array is not that."""
+  src = _write_checkpoint(tmp_path / 'nnx', {
+      '0/decoder/layers/w': np.ones((3, 2, 4), F32),
+      '1/opt_state/0/mu/decoder/layers/w': np.ones((3, 2, 4), F32),
+      '1/step': np.uint32(STEP),
+  })
+  dst = str(tmp_path / 'dst')
+  err = _refused(['convert', src, dst, '--to', 'linen', '--layout', 'unscanned'], capsys, dst)
+  assert err.startswith('parity: error: SRC is not in the NNX layout given: 2 path(s) do not match:\n'), err
+  for path in ('0/decoder/layers/w', '1/opt_state/0/mu/decoder/layers/w'):
+    assert (f'  {path}: layers: expected one array per layer (decoder/layers_<i>/...),'
+            ' got float32[3, 2, 4] with no layer index\n') in err
+
+
+def test_unscanned_layers_are_as_many_in_every_array(tmp_path, capsys):
+  src = _write_checkpoint(tmp_path / 'nnx', {
+      '0/decoder/layers_0/a': np.ones((3, 4), F32), '0/decoder/layers_1/a': np.ones((3, 4), F32),
+      '0/decoder/layers_0/b': np.ones((3, 4), F32), '1/step': np.uint32(STEP),
+  })
+  dst = str(tmp_path / 'dst')
+  err = _refused(['convert', src, dst, '--to', 'linen', '--layout', 'unscanned'], capsys, dst)
+  assert err == (
+      'parity: error: SRC is not in the NNX layout given: 1 path(s) do not match:\n'
+      '  params/params/decoder/layers/b: layers: expected layers 0..1, got layers [0]\n'
+  )
+
+
+def _dead_pid() -> int:
+  child = subprocess.Popen([sys.executable, '-c', ''])
+  child.wait()
+  return child.pid
+
+
+def _put_aside(dst: str, pid: int) -> str:
+  """The old DST as a swap of `--overwrite` by process `pid` puts it aside."""
+  parent, name = os.path.split(dst)
+  aside = os.path.join(parent, f'.{name}.partial-{pid}-replaced')
+  os.makedirs(aside)
+  with open(os.path.join(aside, 'old.txt'), 'w') as f:
+    f.write('old')
+  return aside
+
+
+def test_a_swap_killed_between_its_renames_is_undone(tmp_path, capsys):
+  """SIGKILL after `--overwrite` put DST aside, before the new one took its place: the next run puts it back."""
+  src, dst = _write_checkpoint(tmp_path / 'src', LINEN_TREE), str(tmp_path / 'dst')
+  _put_aside(dst, _dead_pid())
+  assert cli.main(['convert', src, dst, '--to', 'nnx']) == 2
+  assert f'DST {dst} is not empty; pass --overwrite to replace it' in capsys.readouterr().err
+  assert os.listdir(dst) == ['old.txt']
+  _assert_no_partials(dst)
+
+
+def test_a_swap_killed_after_its_renames_leaves_nothing_behind(tmp_path):
+  src, dst = _write_checkpoint(tmp_path / 'src', LINEN_TREE), str(tmp_path / 'dst')
+  os.makedirs(dst)
+  _put_aside(dst, _dead_pid())
+  assert cli.main(['convert', src, dst, '--to', 'nnx', '--overwrite']) == 0
+  assert os.listdir(dst) == [str(STEP)]
+  _assert_no_partials(dst)
+
+
+def test_a_failed_swap_keeps_the_old_dst(tmp_path, capsys, monkeypatch):
+  src, dst = _write_checkpoint(tmp_path / 'src', LINEN_TREE), str(tmp_path / 'dst')
+  os.makedirs(dst)
+  with open(os.path.join(dst, 'old.txt'), 'w') as f:
+    f.write('old')
+  rename = os.rename
+
+  def failing_rename(a, b):
+    if re.search(r'\.partial-\d+$', a):  # the new output into DST
+      raise OSError(errno.EIO, 'Input/output error')
+    rename(a, b)
+
+  monkeypatch.setattr(os, 'rename', failing_rename)
+  assert cli.main(['convert', src, dst, '--to', 'nnx', '--overwrite']) == 2
+  assert capsys.readouterr().err == (
+      'parity: error: moving the conversion into DST failed: [Errno 5] Input/output error;'
+      ' nothing written to DST, SRC untouched\n'
+  )
+  assert os.listdir(dst) == ['old.txt']
+  _assert_no_partials(dst)
+
+
+_SIGNALLED_SWAP = textwrap.dedent("""
+    import os, shutil, signal, sys
+    sys.path.insert(0, {repo!r})
+    from parity import cli
+    when = sys.argv.pop(1)
+    rename, rmtree, sent = os.rename, shutil.rmtree, []
+    def signal_once():
+      if not sent:
+        sent.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+    def signalling_rename(a, b):
+      rename(a, b)
+      if when == 'between_renames' and b.endswith('-replaced'):
+        signal_once()
+    def signalling_rmtree(path, *args, **kwargs):
+      if when == 'removing_the_old_dst' and path.endswith('-replaced'):
+        signal_once()
+      return rmtree(path, *args, **kwargs)
+    os.rename, shutil.rmtree = signalling_rename, signalling_rmtree
+    sys.exit(cli.main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.parametrize('when', ['between_renames', 'removing_the_old_dst'])
+def test_sigterm_during_the_swap(tmp_path, when):
+  """SIGTERM waits for the swap of `--overwrite`; after it, DST holds the conversion, said so."""
+  src, dst = _write_checkpoint(tmp_path / 'src', LINEN_TREE), str(tmp_path / 'dst')
+  os.makedirs(dst)
+  with open(os.path.join(dst, 'old.txt'), 'w') as f:
+    f.write('old')
+  child = subprocess.run(
+      [sys.executable, '-c', _SIGNALLED_SWAP.format(repo=REPO), when, 'convert', src, dst, '--to', 'nnx',
+       '--overwrite'],
+      capture_output=True, text=True, timeout=120,
+  )
+  assert (child.returncode, child.stderr) == (2, (
+      'parity: error: interrupted by signal 15 after the conversion was moved into place;'
+      ' DST holds it, SRC untouched\n'
+  ))
+  assert os.listdir(dst) == [str(STEP)]
+  _assert_no_partials(dst)
+
+
+def _raise(error):
+  def fail(*args, **kwargs):
+    raise error
+  return fail
+
+
+@pytest.mark.parametrize('target,error,stage', [
+    ((convert.ItemWriter, 'finish'), ValueError('OUT_OF_RANGE: Error writing "0.x/c/0/0": File too large\nmore'),
+     'writing the converted arrays failed: OUT_OF_RANGE: Error writing "0.x/c/0/0": File too large'),
+    ((shutil, 'copytree'), OSError(errno.ENOSPC, 'No space left on device'),
+     'copying item rng failed: [Errno 28] No space left on device'),
+    ((os, 'fsync'), OSError(errno.EIO, 'Input/output error'),
+     'syncing the conversion to disk failed: [Errno 5] Input/output error'),
+], ids=['tensorstore', 'copytree', 'fsync'])
+def test_a_write_failure_is_one_line(tmp_path, capsys, monkeypatch, target, error, stage):
+  src, dst = _write_checkpoint(tmp_path / 'src', LINEN_TREE), str(tmp_path / 'dst')
+  monkeypatch.setattr(*target, _raise(error))
+  err = _refused(['convert', src, dst, '--to', 'nnx'], capsys, dst)
+  assert err == f'parity: error: {stage}; nothing written to DST, SRC untouched\n'
+
+
+_SMALL_FILES = textwrap.dedent("""
+    import resource, signal, sys
+    sys.path.insert(0, {repo!r})
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+    from parity import cli
+    sys.exit(cli.main(sys.argv[1:]))
+""")
+
+
+def test_a_file_too_large_is_one_line(tmp_path):
+  """A real write failure: files are limited to 200 kB (RLIMIT_FSIZE); the output's data file is 2 MiB."""
+  w = np.random.default_rng(0).standard_normal((64, 2, 4096)).astype(F32)
+  src = _write_checkpoint(tmp_path / 'src', {'step': np.int32(STEP), 'params/params/decoder/layers/w': w})
+  dst = str(tmp_path / 'dst')
+  child = subprocess.run(
+      [sys.executable, '-c', _SMALL_FILES.format(repo=REPO), 'convert', src, dst, '--to', 'nnx',
+       '--layout', 'scan_axis0'],
+      capture_output=True, text=True, timeout=120,
+  )
+  assert child.returncode == 2, child.stderr
+  assert re.fullmatch(
+      r'parity: error: writing the converted arrays failed: \S+: .*File too large.*;'
+      r' nothing written to DST, SRC untouched\n', child.stderr
+  ), child.stderr
+  assert 'tensorstore_spec' not in child.stderr  # a long JSON, left out
+  assert not os.path.exists(dst)
+  _assert_no_partials(dst)
