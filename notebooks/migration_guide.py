@@ -765,8 +765,9 @@ assert compare_report['program_verdict'] == 'identical except: step counter dtyp
 print(compare_report['memory_verdict'], '|', compare_report['program_verdict'])
 
 # %% [markdown]
-# Reading it: the `equal bits` column and the verdict are the proof; a
-# divergence names the first step whose losses differ and every final state
+# Reading it: the `equal bits` column (every train metric, bit for bit) and
+# the verdict are the proof; a divergence names the first step whose train
+# metrics differ and every final state
 # leaf that is not bit-identical (with its path, the number of differing
 # elements and the largest ULP distance). The speed and memory rows are for
 # judging the port's cost, not its correctness. The same run with the report as

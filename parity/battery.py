@@ -63,14 +63,15 @@ class _Runs:
 
   @functools.cache
   def trajectory(self, side_name: str, init_side: str, mesh_spec: str | None = None):
-    """(losses, final state in the checkpoint layout) of `pair.steps` steps from `init_side`'s init."""
+    """(train metrics per step, final state in the checkpoint layout, final state) of
+    `pair.steps` steps from `init_side`'s init."""
     side = self.side(side_name, mesh_spec)
     state = side.from_checkpoint(self.start(init_side, mesh_spec))
-    losses = []
+    metrics = []
     for step in range(self.pair.steps):
-      state, metrics = side.train_step(state, self.batch(step, mesh_spec=mesh_spec), self.dropout_base())
-      losses.append(metrics['loss'])
-    return losses, side.to_checkpoint(state), state
+      state, m = side.train_step(state, self.batch(step, mesh_spec=mesh_spec), self.dropout_base())
+      metrics.append(dict(m))
+    return metrics, side.to_checkpoint(state), state
 
   @functools.cache
   def linen_state_before(self, step: int, init_side: str = 'linen') -> dict[str, Any]:
@@ -147,14 +148,19 @@ def _with_localization(
   return AssertionError(f'{error}\nlocalizer (step {step}, train mode):\n  ' + '\n  '.join(lines))
 
 
-def first_divergent_step(a: list[Any], b: list[Any]) -> int:
-  """The first step whose losses differ in their bits; the last step when none do.
+def per_step(metrics: list[Mapping[str, Any]]) -> dict[str, Any]:
+  """Each step's train metrics as `<metric>/step_<i>` leaves (the loss and any other the step returns)."""
+  return {f'{k}/step_{i}': x for i, m in enumerate(metrics) for k, x in m.items()}
 
-  (Equal losses and an unequal final state: the last step's update differs,
-  or an earlier one's without reaching a later loss.)
+
+def first_divergent_step(a: list[Mapping[str, Any]], b: list[Mapping[str, Any]]) -> int:
+  """The first step whose train metrics differ (shape, dtype or bits); the last step when none do.
+
+  (Equal metrics and an unequal final state: the last step's update differs,
+  or an earlier one's without reaching a later metric.)
   """
   for step, (x, y) in enumerate(zip(a, b)):
-    if not np.array_equal(bitwise.raw_bits(x), bitwise.raw_bits(y)):
+    if bitwise.compare_trees(dict(x), dict(y)):
       return step
   return len(a) - 1
 
@@ -220,13 +226,12 @@ def check_grads(pair: adapter.Pair) -> list[str]:
 
 def check_train(pair: adapter.Pair, init_side: str) -> list[str]:
   runs = _runs(pair)
-  (la, fa, _), (lb, fb, _) = (runs.trajectory(s, init_side) for s in ('linen', 'nnx'))
-  losses = lambda ls: {f'loss/step_{i}': x for i, x in enumerate(ls)}
+  (ma, fa, _), (mb, fb, _) = (runs.trajectory(s, init_side) for s in ('linen', 'nnx'))
   try:
-    return compare(pair, 'train', {**losses(la), **fa}, {**losses(lb), **fb},
-                   f'{pair.steps} train steps from {init_side} init (losses, final state)')
+    return compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
+                   f'{pair.steps} train steps from {init_side} init (train metrics, final state)')
   except AssertionError as e:
-    raise _with_localization(pair, e, first_divergent_step(la, lb), init_side) from None
+    raise _with_localization(pair, e, first_divergent_step(ma, mb), init_side) from None
 
 
 def check_eval(pair: adapter.Pair) -> list[str]:
@@ -262,10 +267,10 @@ def check_resume(pair: adapter.Pair, direction: str) -> None:
   src, dst = runs.side(src_name), runs.side(dst_name)
   half = pair.steps // 2
   state = src.from_checkpoint(runs.start('linen'))
-  losses = []
+  metrics = []
   for step in range(half):
     state, m = src.train_step(state, runs.batch(step), runs.dropout_base())
-    losses.append(m['loss'])
+    metrics.append(dict(m))
   with tempfile.TemporaryDirectory() as d:
     manager = checkpoints.open_manager(d)
     checkpoints.save(manager, half, src, state, runs.dropout_base())
@@ -273,19 +278,17 @@ def check_resume(pair: adapter.Pair, direction: str) -> None:
     manager.close()
   for step in range(half, pair.steps):
     state, m = dst.train_step(state, runs.batch(step), key)
-    losses.append(m['loss'])
-  ref_losses, ref_final, _ = runs.trajectory(src_name, 'linen')
-  as_dict = lambda ls: {f'loss/step_{i}': x for i, x in enumerate(ls)}
-  compare(pair, 'train', {**as_dict(ref_losses), **ref_final}, {**as_dict(losses), **dst.to_checkpoint(state)},
+    metrics.append(dict(m))
+  ref_metrics, ref_final, _ = runs.trajectory(src_name, 'linen')
+  compare(pair, 'train', {**per_step(ref_metrics), **ref_final}, {**per_step(metrics), **dst.to_checkpoint(state)},
           f'resume {direction} at step {half} vs an uninterrupted {src_name} run')
 
 
 def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
   """Both sides on `mesh_spec`: equal losses and final state, same shardings and annotations."""
   runs = _runs(pair)
-  (la, fa, _), (lb, fb, _) = (runs.trajectory(s, 'linen', mesh_spec) for s in ('linen', 'nnx'))
-  losses = lambda ls: {f'loss/step_{i}': x for i, x in enumerate(ls)}
-  seen = compare(pair, 'train', {**losses(la), **fa}, {**losses(lb), **fb},
+  (ma, fa, _), (mb, fb, _) = (runs.trajectory(s, 'linen', mesh_spec) for s in ('linen', 'nnx'))
+  seen = compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
                  f'{pair.steps} train steps on mesh {mesh_spec}')
   linen, nnx_side = runs.sides(mesh_spec)
   shardings = [{p: specs_lib.describe_sharding(x.sharding) for p, x in f.items()} for f in (fa, fb)]

@@ -193,7 +193,9 @@ class Report:
     rows = []
     for i in range(len(lin.losses)):
       step = self.result.first_step + i  # a resumed run starts after its checkpoint's step
-      equal = 'yes' if lin.loss_hex[i] == nnx.loss_hex[i] else 'NO'
+      diffs = self.result.metric_diffs
+      same = not diffs[i] if i < len(diffs) else lin.loss_hex[i] == nnx.loss_hex[i]
+      equal = 'yes' if same else 'NO'
       mark = ' (ckpt after)' if step in saved else ''
       rows.append((
           f'{step}{mark}', _loss(lin.losses[i]), _loss(nnx.losses[i]), equal,
@@ -208,6 +210,7 @@ class Report:
     r = self.result
     notes = [
         f'{DIFF_HEADER}: better/worse as judged for the NNX side.',
+        'Equal bits: every metric the train steps return (the loss and any other), bit for bit.',
         'Step time: from dispatch to the host holding that step\'s loss; the two sides\''
         ' steps interleaved (order alternating); compilation timed apart (step 0 only'
         ' executes); avg s/step leaves step 0 out.',

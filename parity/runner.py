@@ -80,8 +80,10 @@ class CompareResult:
   init_side: str
   linen: SideRun
   nnx: SideRun
-  first_divergent_step: int | None
+  first_divergent_step: int | None  # the first step whose train metrics differ in a bit
   state_diffs: list[str]
+  # Per step run, the train metrics (loss and any other) that differ: bitwise.compare_trees lines.
+  metric_diffs: list[list[str]] = dataclasses.field(default_factory=list)
   model_cfg: ModelConfig | None = None
   train_cfg: TrainConfig | None = None
   seed: int = 0
@@ -212,8 +214,12 @@ class CompareResult:
     if self.bitwise_equal:
       return f'bit-identical ({self.steps} steps: losses, final parameters and optimizer state)'
     if self.first_divergent_step is not None:
-      return f'DIVERGED at step {self.first_divergent_step}'
-    return f'DIVERGED: losses equal but {len(self.state_diffs)} final state leaves differ'
+      i = self.first_divergent_step - self.first_step
+      differing = self.metric_diffs[i] if 0 <= i < len(self.metric_diffs) else []
+      names = [line.split(':', 1)[0] for line in differing]
+      return f'DIVERGED at step {self.first_divergent_step}' + (
+          f' ({", ".join(names)})' if names and names != ['loss'] else '')
+    return f'DIVERGED: train metrics equal but {len(self.state_diffs)} final state leaves differ'
 
   def to_json(self) -> dict[str, Any]:
     def side_json(name: str) -> dict[str, Any]:
@@ -243,6 +249,7 @@ class CompareResult:
         'seed': self.seed,
         'init_side': self.init_side,
         'state_diffs': self.state_diffs,
+        'metric_diffs': self.metric_diffs,
         'model_config': None if self.model_cfg is None else dataclasses.asdict(self.model_cfg),
         'train_config': None if self.train_cfg is None else dataclasses.asdict(self.train_cfg),
         'param_count': self.param_count,
@@ -606,10 +613,11 @@ def compare_sides(
   with contextlib.ExitStack() as stack:
     if checkpoint_every and checkpoint_fn is None:
       checkpoint_fn = stack.enter_context(_default_saver(checkpoint_dir, dropout_base))
+    metric_diffs: list[list[str]] = []
     first_divergent = _train(
         batch, steps, sides, states, compiled, dropout_base, runs,
         on_step, checkpoint_every, checkpoint_fn, first_step,
-        divergence if localize_divergence else None,
+        divergence if localize_divergence else None, metric_diffs,
     )
 
   localized = _localize(sides, divergence, dropout_base, say) if divergence else None
@@ -624,6 +632,7 @@ def compare_sides(
       nnx=runs['nnx'],
       first_divergent_step=first_divergent,
       state_diffs=[str(d) for d in diffs],
+      metric_diffs=metric_diffs,
       seed=seed,
       mesh_shape=None if mesh is None else dict(mesh.shape),
       process_count=jax.process_count(),
@@ -667,9 +676,11 @@ def _host_value(x: jax.Array) -> np.ndarray:
 
 def _train(
     batch, steps, sides, states, compiled, dropout_base, runs,
-    on_step, checkpoint_every, checkpoint_fn, first_step=0, divergence=None,
+    on_step, checkpoint_every, checkpoint_fn, first_step=0, divergence=None, metric_diffs=None,
 ) -> int | None:
-  """The timed loop; fills `runs` and `states`, returns the first divergent step."""
+  """The timed loop; fills `runs`, `states` and `metric_diffs` (per step, the train
+  metrics that differ), returns the first divergent step."""
+  metric_diffs = [] if metric_diffs is None else metric_diffs
   clock = time.perf_counter
   origin = clock()
   first_divergent = None
@@ -683,7 +694,7 @@ def _train(
         )
         for name in SIDES
     }
-    bits = {}
+    step_metrics = {}
     order = SIDES if step % 2 == 0 else SIDES[::-1]
     for name in order:
       start = clock()
@@ -695,8 +706,10 @@ def _train(
       run.step_spans.append((start - origin, end - origin))
       run.losses.append(float(loss))
       run.loss_hex.append(loss_hex(loss))
-      bits[name] = bitwise.raw_bits(loss)
-    if first_divergent is None and not np.array_equal(bits['linen'], bits['nnx']):
+      step_metrics[name] = {k: _host_value(v) for k, v in metrics.items()}
+    # Every metric the steps return, bit for bit (the loss, and e.g. the decoder's z-loss and token count).
+    metric_diffs.append([str(d) for d in bitwise.compare_trees(step_metrics['linen'], step_metrics['nnx'])])
+    if first_divergent is None and metric_diffs[-1]:
       first_divergent = step
       if divergence is not None:  # the state the divergent step started from, for the localizer
         divergence.update(step=step, state=before['linen'], batch=host_batch)

@@ -22,7 +22,7 @@ from models.config import SCENARIOS, ModelConfig, TrainConfig, get_configs
 from parity import distributed, programs, runner
 from parity.programs import sharding_annotations
 from parity.runner import CompareResult, run_compare
-from parity.sides import as_jax_batch, make_sides
+from parity.sides import make_sides
 
 STEPS = 10
 MESH_STEPS = 3
@@ -75,12 +75,16 @@ def start(scenario: str = '01_baseline'):
 
 @dataclasses.dataclass
 class SideOnMesh:
-  losses: list[jax.Array]
+  metrics: list[dict[str, jax.Array]]  # each step's train metrics (loss, z-loss, tokens)
   final: dict[str, jax.Array]  # checkpoint layout
   init_shardings: dict[str, jax.sharding.Sharding]  # actual, at the start; checkpoint layout
   shardings: dict[str, jax.sharding.Sharding]  # actual, after training; checkpoint layout
   targets: dict[str, jax.sharding.Sharding]  # what the side asked for
   annotations: collections.Counter  # `signature ...` keys: arguments and results
+
+  @property
+  def losses(self) -> list[jax.Array]:
+    return [m['loss'] for m in self.metrics]
 
 
 @dataclasses.dataclass
@@ -89,6 +93,7 @@ class MeshRun:
   nnx: SideOnMesh
   memory: tuple[dict, dict]  # XLA's memory analysis of each side's train step
   program_diff: programs.ProgramDiff
+  main_signatures: tuple[str, str]  # the `@main` line of each side's lowered train step
 
 
 def train_on_mesh(
@@ -112,22 +117,24 @@ def train_on_mesh(
   base = rng.base_key(0)
   if mesh is not None:  # as `parity compare` places it (one array over the mesh, as restored)
     base = distributed.replicated(base, mesh)
-  batches = [as_jax_batch(data.make_batch(model_cfg, train_cfg, s)) for s in range(steps)]
+  # The batches placed, the steps compiled and run as `parity compare` does
+  # (parity/runner.py): what these tests check is the program it runs.
+  batches = [linen.place_batch(data.make_batch(model_cfg, train_cfg, s)) for s in range(steps)]
   compiled = [
       runner.compile_step(side, state, batches[0], base)
       for side, state in ((linen, linen_state), (nnx_side, nnx_state))
   ]
   annotations = tuple(sharding_annotations(c.text, True) for c in compiled)
   device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
-  losses = ([], [])
+  metrics = ([], [])
   for batch in batches:
-    linen_state, linen_metrics = linen.train_step(linen_state, batch, base)
-    nnx_state, nnx_metrics = nnx_side.train_step(nnx_state, batch, base)
-    losses[0].append(linen_metrics['loss'])
-    losses[1].append(nnx_metrics['loss'])
+    linen_state, linen_metrics = compiled[0].executable(linen_state, batch, base)
+    nnx_state, nnx_metrics = compiled[1].executable(nnx_state, batch, base)
+    metrics[0].append(dict(linen_metrics))
+    metrics[1].append(dict(nnx_metrics))
   return MeshRun(
       linen=SideOnMesh(
-          losses[0],
+          metrics[0],
           linen.to_checkpoint(linen_state),
           init_shardings[0],
           bridge_state.linen_to_checkpoint_leaves(jax.tree.map(of_leaf, linen_state)),
@@ -135,7 +142,7 @@ def train_on_mesh(
           annotations[0],
       ),
       nnx=SideOnMesh(
-          losses[1],
+          metrics[1],
           nnx_side.to_checkpoint(nnx_state),
           init_shardings[1],
           bridge_state.nnx_to_checkpoint_leaves(jax.tree.map(of_leaf, nnx_state), nnx_side.layout),
@@ -144,6 +151,9 @@ def train_on_mesh(
       ),
       memory=(compiled[0].memory(device), compiled[1].memory(device)),
       program_diff=runner.program_diff_of(*compiled),
+      main_signatures=tuple(
+          next(line for line in c.text.splitlines() if 'func.func public @main(' in line) for c in compiled
+      ),
   )
 
 

@@ -248,13 +248,17 @@ def test_a_training_divergence_is_localized_at_its_first_divergent_step():
   assert 'the difference is in what the step does with the gradients' in message
 
 
-def test_the_first_divergent_step_is_the_first_loss_whose_bits_differ():
+def test_the_first_divergent_step_is_the_first_whose_train_metrics_differ_in_a_bit():
   from parity.battery import first_divergent_step
 
-  ones = [jnp.float32(1.0)] * 3
-  assert first_divergent_step(ones, [jnp.float32(1.0), jnp.float32(1.0000001), jnp.float32(2.0)]) == 1
-  assert first_divergent_step(ones, [jnp.float32(1.0), jnp.float32(1.0), jnp.float32(-1.0)]) == 2
-  # Equal losses, unequal final state: the last step.
-  assert first_divergent_step(ones, list(ones)) == 2
+  steps = lambda *losses, tokens=4: [{'loss': jnp.float32(x), 'tokens': jnp.int32(tokens)} for x in losses]
+  ones = steps(1.0, 1.0, 1.0)
+  assert first_divergent_step(ones, steps(1.0, 1.0000001, 2.0)) == 1
+  assert first_divergent_step(ones, steps(1.0, 1.0, -1.0)) == 2
+  # Equal metrics, unequal final state: the last step.
+  assert first_divergent_step(ones, steps(1.0, 1.0, 1.0)) == 2
   # -0.0 and 0.0 compare equal as numbers, not as bits.
-  assert first_divergent_step([jnp.float32(0.0)], [jnp.float32(-0.0)]) == 0
+  assert first_divergent_step(steps(0.0), steps(-0.0)) == 0
+  # A metric other than the loss, and a dtype, count as well.
+  assert first_divergent_step(ones, ones[:1] + steps(1.0, 1.0, tokens=5)) == 1
+  assert first_divergent_step(ones, [{'loss': jnp.bfloat16(1.0), 'tokens': jnp.int32(4)}] + ones[1:]) == 0

@@ -53,10 +53,45 @@ def test_scenario_trains_bit_identically(scenario):
   assert result.first_divergent_step is None, result.verdict()
   assert result.state_diffs == [], '\n'.join(result.state_diffs)
   assert result.linen.loss_hex == result.nnx.loss_hex
+  assert result.metric_diffs == [[]] * STEPS  # every step's loss, z-loss and token count, bit for bit
   # Training moved the parameters: steps that do nothing would also "match".
   assert len(set(result.linen.loss_hex)) == STEPS, result.linen.loss_hex
   lines = ''.join(f'{step} {h}\n' for step, h in enumerate(result.linen.loss_hex))
   _check_loss_record(f'{scenario}.txt', lines)
+
+
+def test_a_train_metric_other_than_the_loss_is_compared(monkeypatch):
+  """An NNX step whose z-loss alone is off (doubled): the runner and the battery see it."""
+  from models.nnx import train as nnx_train
+  from parity import adapter, battery, runner, sides
+
+  original = nnx_train.make_train_step
+
+  def doubled_z_loss(model_cfg, train_cfg):
+    step = original(model_cfg, train_cfg)
+
+    def train_step(graphdef, state, batch, dropout_base):
+      state, metrics = step(graphdef, state, batch, dropout_base)
+      return state, dict(metrics, z_loss=metrics['z_loss'] * 2)
+
+    return jax.jit(train_step, static_argnums=0)
+
+  monkeypatch.setattr(nnx_train, 'make_train_step', doubled_z_loss)
+  model_cfg, train_cfg = get_configs('tiny', '01_baseline')
+  linen, _ = make_sides(model_cfg, train_cfg)
+  broken = sides.NnxSide(model_cfg, train_cfg, None, tuple(tuple(r) for r in sides.specs_lib.DEFAULT_RULES))
+  result = runner.compare_sides(
+      (linen, broken), lambda step: data.make_batch(model_cfg, train_cfg, step), 2,
+      program_diff=False, localize_divergence=False,
+  )
+  assert result.linen.loss_hex == result.nnx.loss_hex and not result.state_diffs
+  assert result.first_divergent_step == 0 and result.verdict() == 'DIVERGED at step 0 (z_loss)'
+  assert [[line.split(':')[0] for line in step] for step in result.metric_diffs] == [['z_loss']] * 2
+
+  batch = lambda step, split: data.make_batch(model_cfg, train_cfg, step)
+  pair = adapter.Pair('decoder_doubled_z_loss', lambda mesh: (linen, broken), batch, steps=2)
+  with pytest.raises(AssertionError, match=r'z_loss/step_0: bits'):
+    battery.check_train(pair, 'linen')
 
 
 def _check_loss_record(name: str, text: str) -> None:
