@@ -55,13 +55,14 @@ class Renames:
     return self._apply(linen_path, self.rules)
 
 
-def _collection(variable_type: type, collections) -> str:
+def _collection(path: str, variable_type: type, collections) -> str:
   for t, name in collections:
     if issubclass(variable_type, t):
       return name
   raise TreeMismatchError(
-      'NNX model variable',
-      [Problem(variable_type.__name__, 'type', 'one of ' + ', '.join(t.__name__ for t, _ in collections), 'other')],
+      'NNX model variable (a variable type with no Linen collection: pass `collections=`,'
+      ' or keep the state out of the model, e.g. RNG streams in the step)',
+      [Problem(path, 'type', 'one of ' + ', '.join(t.__name__ for t, _ in collections), variable_type.__name__)],
   )
 
 
@@ -105,7 +106,7 @@ def nnx_to_checkpoint(
   for path, x in flat.items():
     if path.startswith('0/'):
       p = path[2:]
-      out[_collection(types[path], collections) + '/' + renames.to_linen(p)] = x
+      out[_collection(path, types[path], collections) + '/' + renames.to_linen(p)] = x
     elif path == '1/step':
       out['step'] = convert_step(x, LINEN_STEP_DTYPE) if convert else x
     elif path.startswith('1/opt_state/'):

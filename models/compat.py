@@ -154,3 +154,33 @@ def fresh_trace() -> Any:
   from jax._src import config
 
   return config.hlo_source_file_canonicalization_regex('(?!)parity-fresh-trace')
+
+
+@contextlib.contextmanager
+def logical_constraint_names() -> Iterator[list[str]]:
+  """The logical axis names every `nn.with_logical_constraint` call in the block asks for.
+
+  flax resolves them through the rules inside the call and leaves a name the
+  rules do not know unsharded without a word, so a traced program shows no
+  trace of it. The private `flax.linen.spmd._with_sharding_constraint_one_fallback`
+  (flax 0.12.8 and 0.12.12), through which each call goes, is wrapped to see them.
+  """
+  from flax.linen import spmd
+
+  seen: list[str] = []
+  original = spmd._with_sharding_constraint_one_fallback
+
+  def recording(axis_resources, x, *args, **kwargs):
+    seen.extend(name for name in (axis_resources or ()) if isinstance(name, str))
+    return original(axis_resources, x, *args, **kwargs)
+
+  spmd._with_sharding_constraint_one_fallback = recording
+  try:
+    yield seen
+  finally:
+    spmd._with_sharding_constraint_one_fallback = original
+
+
+def jax_minor() -> str:
+  """jax's `major.minor` (records whose bits a jax release may change are kept per minor version)."""
+  return '.'.join(jax.__version__.split('.')[:2])

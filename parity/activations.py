@@ -84,8 +84,16 @@ def rows(
   mesh = jax.sharding.Mesh(devices, tuple(names))
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch, dropout_base))
   step = side.train_step_function()
-  with compat.use_mesh(mesh), nn.logical_axis_rules([(n, n) for n in names]):
+  with compat.use_mesh(mesh), nn.logical_axis_rules([(n, n) for n in names]), \
+      compat.logical_constraint_names() as asked:
     jaxpr = jax.make_jaxpr(step)(*abstract)
+  unknown = sorted(set(asked) - set(names))
+  if unknown:
+    # flax would leave them unsharded on both sides: equal, and never compared.
+    raise ValueError(
+        f'activation constraints name logical axes the rules do not know: {unknown};'
+        f' rules know {names}. Add them to the rules (Pair(rules=...)) to compare them'
+    )
   found: list[tuple] = []
   _constraints(jaxpr.jaxpr, (), found)
   out = []

@@ -140,7 +140,6 @@ class Pair:
   batch: Callable[[int, str], Mapping[str, Any]]
   steps: int = 4
   meshes: Sequence[str] = ('data=8',)
-  batch_axis: str = 'data'
   known_differences: tuple[KnownDifference, ...] = ()
   seed: int = 0
   parts: Sequence[str] | None = None  # the battery's parts for this pair (None: all)

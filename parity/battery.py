@@ -134,9 +134,10 @@ def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping
     line = f'{d.path}: {ulp} ULP (declared bound {known.max_ulp}: {known.reason})'
     (seen if ulp <= known.max_ulp else problems).append(line)
   if problems:
+    more = [f'... and {len(problems) - 50} more'] if len(problems) > 50 else []
     raise AssertionError(
         f'{pair.name}: {what} are not bit-identical: {len(problems)} leaf/leaves differ\n  '
-        + '\n  '.join(problems[:50])
+        + '\n  '.join(problems[:50] + more)
     )
   return seen
 

@@ -1,8 +1,8 @@
 """The divergence localizer: which module first computes something different.
 
-Each side's train-mode loss is traced once with every module call
+Each side's train-mode loss is traced once with every module's `__call__`
 intercepted (Linen: `nn.intercept_methods`; NNX: each module class's
-`__call__`, for the duration of the trace). A zero probe is added to every
+`__call__`, for the duration of the trace; other methods are not recorded). A zero probe is added to every
 module's output, so one `value_and_grad` gives, per module call, its
 forward output, the cotangent arriving at that output, and every
 parameter's gradient. `localize` then compares both sides bitwise:
@@ -10,7 +10,8 @@ parameter's gradient. `localize` then compares both sides bitwise:
 - forward: the first module call (in execution order) whose output differs;
 - backward: a module whose output cotangent is equal on both sides but
   whose parameters' gradients differ computes its own backward pass
-  differently; the innermost such module is named.
+  differently; the innermost such module is named (of several at one depth,
+  the one the backward pass runs first).
 """
 from __future__ import annotations
 

@@ -220,7 +220,10 @@ class StockNnx(_Stock):
   create(seed) -> (model, optimizer); train_step(model, optimizer, batch,
   dropout_base) -> metrics (updating both in place); eval_step(model,
   batch) -> metrics; loss(model, batch, dropout_key) -> loss. `renames`
-  maps NNX module paths to Linen's in the checkpoint layout.
+  maps NNX module paths to Linen's in the checkpoint layout; `collections`
+  maps each NNX variable type of the model to the Linen collection (train
+  state field) it is stored in (default: `nnx.Param` -> params,
+  `nnx.BatchStat` -> batch_stats).
   """
 
   create: Callable[[int], Any]
@@ -232,6 +235,7 @@ class StockNnx(_Stock):
   batch_axis: str = 'data'
   rules: tuple[tuple[str, Any], ...] | None = None  # logical axis rules (None: replicate the state)
   name: str = 'nnx'
+  collections: tuple[tuple[type, str], ...] = bridge_stock.DEFAULT_COLLECTIONS
 
   @functools.cached_property
   def _abstract(self):
@@ -291,13 +295,15 @@ class StockNnx(_Stock):
     return jax.jit(fn)
 
   def _checkpoint_leaves(self, tree) -> dict[str, Any]:
-    return bridge_stock.nnx_to_checkpoint(tree, self.renames, nnx_template=self.template, convert=False)
+    return bridge_stock.nnx_to_checkpoint(
+        tree, self.renames, nnx_template=self.template, collections=self.collections, convert=False
+    )
 
   def to_checkpoint(self, state) -> dict[str, Any]:
-    return bridge_stock.nnx_to_checkpoint(state, self.renames)
+    return bridge_stock.nnx_to_checkpoint(state, self.renames, collections=self.collections)
 
   def from_checkpoint(self, flat) -> Any:
-    return self.place(bridge_stock.checkpoint_to_nnx(flat, self.template, self.renames))
+    return self.place(bridge_stock.checkpoint_to_nnx(flat, self.template, self.renames, self.collections))
 
   def _logical_specs(self) -> Any:
     return nnx.get_partition_spec(self.template)

@@ -178,3 +178,25 @@ def test_stock_moments_of_nested_same_named_modules_keep_their_paths():
   for moment in ('mu', 'nu'):
     prefix = f'opt_state/0/{moment}/'
     assert {p[len(prefix):] for p in flat if p.startswith(prefix)} == params, sorted(flat)
+
+
+def test_a_variable_type_with_no_linen_collection_is_named_with_its_path():
+  """An `nnx.Dropout` holding its RNG stream: the error names the variable, its type and what to do."""
+  import optax
+  from flax import nnx
+
+  from bridge import stock as bridge_stock
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.head = nnx.Linear(2, 2, rngs=rngs)
+      self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+  def state():
+    model = Model(nnx.Rngs(0))
+    return nnx.split((model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)))[1]
+
+  with pytest.raises(TreeMismatchError) as e:
+    bridge_stock.nnx_to_checkpoint(nnx.eval_shape(state), bridge_stock.Renames(), convert=False)
+  message = str(e.value)
+  assert '0/drop/rngs/' in message and 'Rng' in message and 'collections=' in message, message

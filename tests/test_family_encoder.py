@@ -118,3 +118,14 @@ def test_the_encoders_activation_constraints_are_compared():
   (line,) = battery.check_specs(encoder)
   forward = 1 + 2 * CFG.num_layers
   assert line == f'activation constraints: {2 * forward} per train step, the same logical names on both sides'
+
+
+@pytest.mark.xdist_group('parity-encoder')
+def test_an_activation_name_the_rules_do_not_know_fails_the_specs_part():
+  """flax leaves a logical name its rules do not know unsharded on both sides, which
+  would compare as equal: the specs part names it instead (here the rules lack `mlp`)."""
+  from parity import battery
+
+  rules = tuple(r for r in ENCODER_RULES if r[0] != 'mlp')
+  with pytest.raises(ValueError, match=r"logical axes the rules do not know: \['mlp'\]"):
+    battery.check_specs(dataclasses.replace(encoder, rules=rules))

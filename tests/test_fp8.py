@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import data, rng
+from models import compat, data, rng
 from models.config import get_configs, replace
 from models.linen import train as linen_train
 from models.nnx import train as nnx_train
@@ -35,7 +35,7 @@ SCENARIO = '05_fp8'
 STEPS = 3
 FP8 = 'fp8_meta/'
 FLUSHED = 'flushed to zero: the 05_fp8 record cannot hold here; see the test docstring'
-JAX_MINOR = '.'.join(jax.__version__.split('.')[:2])
+JAX_MINOR = compat.jax_minor()
 # Largest finite values: inputs and kernels are e4m3, output gradients e5m2.
 FP8_MAX = {
     'input': np.float32(jnp.finfo(jnp.float8_e4m3fn).max),

@@ -93,10 +93,12 @@ def runs(tmp_path_factory):
 
 
 def _ulp(a_hex: str, b_hex: str) -> int:
+  """ULPs between two float32 losses reported as hex floats (parity.bitwise.max_ulp)."""
   import numpy as np
 
-  a, b = (np.float32(float.fromhex(h)).view(np.int32).astype(np.int64) for h in (a_hex, b_hex))
-  return int(abs(a - b))
+  from parity import bitwise
+
+  return bitwise.max_ulp(*(np.float32(float.fromhex(h)) for h in (a_hex, b_hex)))
 
 
 @SHARED_RUNS

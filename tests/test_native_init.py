@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from bridge import paths, specs
-from parity.bitwise import raw_bits
+from parity.bitwise import assert_bitwise_equal
 
 
 @pytest.fixture(scope='module')
@@ -54,7 +54,7 @@ def test_distributions_agree(native):
     a = np.asarray(linen_params[path], np.float64).ravel()
     b = np.asarray(nnx_params[path], np.float64).ravel()
     if path.endswith('scale'):
-      assert np.array_equal(raw_bits(np.asarray(linen_params[path])), raw_bits(np.asarray(nnx_params[path]))), path
+      assert_bitwise_equal(linen_params[path], nnx_params[path], path)  # ones on both sides: bits, dtype, shape
       continue
     n = a.size
     s = max(a.std(), b.std())

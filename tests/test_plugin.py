@@ -70,8 +70,13 @@ def test_a_declared_pair_becomes_the_battery(user_project):
 
 
 def test_a_broken_pair_fails_with_the_bitwise_report_and_the_localizer(user_project):
-  result = user_project.runpytest_subprocess('--parity-parts=structure,grads', '-p', 'no:cacheprovider')
+  # Strict projects too: findings go to the JUnit XML without pytest's xunit2 warning.
+  result = user_project.runpytest_subprocess(
+      '--parity-parts=structure,grads', '-p', 'no:cacheprovider', '--junitxml=report.xml',
+      '-W', 'error::pytest.PytestWarning',
+  )
   result.assert_outcomes(passed=3, failed=1)  # the README's pair passes both parts
+  assert '<property name="declared_differences" value="[]"' in (user_project.path / 'report.xml').read_text()
   result.stdout.fnmatch_lines([
       '*broken: loss and gradients are not bit-identical*',
       '*params/Dense_0/kernel: bits: float32*max ULP distance*',
@@ -84,6 +89,18 @@ def test_an_unknown_part_is_a_usage_error(user_project):
   result = user_project.runpytest_subprocess('--parity-parts=structure,bogus', '-p', 'no:cacheprovider')
   assert result.ret == pytest.ExitCode.USAGE_ERROR
   result.stderr.fnmatch_lines(['ERROR: --parity-parts: unknown part(s) ?\'bogus\'?; parts: structure, *'])
+
+
+@pytest.mark.parametrize('parts', ["'grads'", "('grad', 'train')"], ids=['a_string', 'a_misspelt_name'])
+def test_a_pair_with_an_unknown_part_fails_collection(user_project, parts):
+  """Not a pair with fewer tests, or none, in silence."""
+  user_project.makepyfile(test_typo=readme_example() + f"\ntypo = Pair('typo', make_sides, functools.partial(classifier_batch, CFG), parts={parts})\n")
+  result = user_project.runpytest_subprocess('--collect-only', '-q', '-p', 'no:cacheprovider', 'test_typo.py')
+  assert result.ret == pytest.ExitCode.INTERRUPTED, result.outlines  # pytest's status for collection errors
+  result.stdout.fnmatch_lines([
+      '*ERROR collecting test_typo.py*',
+      "Pair 'typo': parts must be a sequence of part names, got unknown *; parts: structure, specs, *",
+  ])
 
 
 def test_the_mesh_part_gets_its_cpu_devices_from_the_plugin(user_project):

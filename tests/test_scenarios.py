@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 from bridge.layout import layout_for
-from models import data, rng
+from models import compat, data, rng
 from models.config import SCENARIOS, get_configs, replace
 from parity import tables, xla_env
 from parity.bitwise import assert_bitwise_equal
@@ -44,7 +44,7 @@ from tests.golden import GOLDEN_DIR, check_golden
 from tests.runs import STEPS, start
 from tests.runs import tiny_run as _run
 
-JAX_MINOR = '.'.join(jax.__version__.split('.')[:2])
+JAX_MINOR = compat.jax_minor()
 
 
 @pytest.mark.parametrize('scenario', sorted(SCENARIOS))
