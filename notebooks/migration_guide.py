@@ -739,7 +739,8 @@ assert_bitwise_equal(linen.to_checkpoint(linen_final), nnx_side.to_checkpoint(re
 #   named by state path; identical except the one allowed difference, the
 #   step counter's dtype: int32 in Linen's `TrainState`, uint32 in
 #   `nnx.Optimizer`);
-# * one row per step: both losses and whether their **bits** are equal;
+# * one row per step: both losses and whether the bits of every train metric
+#   (loss, z-loss, token count) are equal;
 # * the verdict. The exit status is 0 when bit-identical with the same
 #   memory and program, 1 when not (`--numbers-only` judges the numbers
 #   alone), 2 on bad input.

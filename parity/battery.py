@@ -286,7 +286,7 @@ def check_resume(pair: adapter.Pair, direction: str) -> None:
 
 
 def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
-  """Both sides on `mesh_spec`: equal losses and final state, same shardings and annotations."""
+  """Both sides on `mesh_spec`: equal train metrics and final state, same shardings and annotations."""
   runs = _runs(pair)
   (ma, fa, _), (mb, fb, _) = (runs.trajectory(s, 'linen', mesh_spec) for s in ('linen', 'nnx'))
   seen = compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},

@@ -455,18 +455,25 @@ def plan_to_nnx(arrays: Mapping[str, SourceArray], layout: Layout, rename: _Rena
   return jobs
 
 
-def _is_fp8_meta(linen_param: str) -> bool:
-  return linen_param.rsplit('/', 1)[-1] in FP8_META_NAMES
+def _is_fp8_meta(linen_param: str, mirrored: bool) -> bool:
+  """Named as fp8 scaling state, and without optimizer state (a trainable parameter of
+  such a name has its moments)."""
+  return linen_param.rsplit('/', 1)[-1] in FP8_META_NAMES and not mirrored
 
 
 def plan_to_linen(arrays: Mapping[str, SourceArray], layout: Layout, rename: _Renamer) -> list[Job]:
   """A model leaf named as fp8 scaling state (FP8_META_NAMES: its last path
-  segment, rename rules undone) goes to `fp8_meta/`, every other one is a
-  parameter (`params/params/`), with or without optimizer state. Unscanned:
+  segment, rename rules undone) and without optimizer state goes to
+  `fp8_meta/`, every other one is a parameter (`params/params/`), with or
+  without optimizer state. Unscanned:
   every array under `decoder/layers/` comes from `decoder/layers_<i>/`
   arrays, as many layers for each."""
   model = [p[len('0/'):] for p in arrays if p.startswith('0/')]
-  params = [p for p in model if not _is_fp8_meta(rename(p))]
+  optimizer = [p for p in arrays if p.startswith('1/opt_state/')]
+  params = [
+      p for p in model
+      if not _is_fp8_meta(rename(p), mirrored=any(o.endswith('/' + p) for o in optimizer))
+  ]
   params.sort(key=len, reverse=True)
   param_set = set(params)
   groups: dict[str, dict[int | None, str]] = collections.defaultdict(dict)
@@ -890,6 +897,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 _REPLACED = '-replaced'  # the old DST, renamed aside by the swap of `overwrite`
+_REMOVING = '-removing'  # the old DST once the swap is done, being removed (never put back)
 
 
 def _stale_partials(dst: str) -> list[tuple[str, bool]]:
@@ -904,7 +912,7 @@ def _stale_partials(dst: str) -> list[tuple[str, bool]]:
       continue
     pid = name[len(base):]
     replaced = pid.endswith(_REPLACED)
-    pid = pid[: -len(_REPLACED)] if replaced else pid
+    pid = pid[: -len(_REPLACED)] if replaced else pid.removesuffix(_REMOVING)
     if not pid.isdigit() or (_pid_alive(int(pid)) and int(pid) != os.getpid()):
       continue  # another conversion's, still running (or not ours to judge)
     out.append((os.path.join(parent, name), replaced))
@@ -1168,6 +1176,13 @@ def _move_into_place(tmp: str, dst: str) -> str | None:
     elif emptied:
       os.mkdir(dst)
     raise
+  if old is not None:  # from here on a leftover of it is only removed, never put back
+    removing = old[: -len(_REPLACED)] + _REMOVING
+    try:
+      os.rename(old, removing)
+      old = removing
+    except OSError:
+      pass  # DST holds the conversion; removed below as it is
   return old
 
 

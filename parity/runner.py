@@ -212,7 +212,7 @@ class CompareResult:
 
   def verdict(self) -> str:
     if self.bitwise_equal:
-      return f'bit-identical ({self.steps} steps: losses, final parameters and optimizer state)'
+      return f'bit-identical ({self.steps} steps: train metrics, final parameters and optimizer state)'
     if self.first_divergent_step is not None:
       i = self.first_divergent_step - self.first_step
       differing = self.metric_diffs[i] if 0 <= i < len(self.metric_diffs) else []
@@ -670,6 +670,12 @@ def _localize(sides, divergence, dropout_base, say) -> tuple[dict | None, list[s
 def _host_value(x: jax.Array) -> np.ndarray:
   """A replicated value on the host (in a multi-process run, this process's copy)."""
   if not x.is_fully_addressable:
+    if not x.sharding.is_fully_replicated:
+      # One process holds only its shards: comparing them would compare part of the value.
+      raise ValueError(
+          f'a train metric ({x.dtype}{list(x.shape)}) is split across processes ({x.sharding}):'
+          ' return metrics replicated (e.g. reduce them in the step) to compare them'
+      )
     return np.asarray(x.addressable_data(0))
   return np.asarray(x)
 
@@ -706,7 +712,7 @@ def _train(
       run.step_spans.append((start - origin, end - origin))
       run.losses.append(float(loss))
       run.loss_hex.append(loss_hex(loss))
-      step_metrics[name] = {k: _host_value(v) for k, v in metrics.items()}
+      step_metrics[name] = jax.tree.map(_host_value, dict(metrics))
     # Every metric the steps return, bit for bit (the loss, and e.g. the decoder's z-loss and token count).
     metric_diffs.append([str(d) for d in bitwise.compare_trees(step_metrics['linen'], step_metrics['nnx'])])
     if first_divergent is None and metric_diffs[-1]:

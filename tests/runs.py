@@ -2,7 +2,8 @@
 
 `tiny_run` is the side-by-side runner's 10-step comparison on one device.
 `mesh_run` trains both sides on a mesh of the 8 CPU devices (or any mesh)
-from one state, keeping everything the mesh tests look at: per-step losses,
+from one state, as `parity compare --mesh` does (the batch placed, the
+compiled steps run), keeping everything the mesh tests look at: per-step train metrics,
 the final state in the checkpoint layout, each state leaf's actual sharding,
 the sharding annotations of both lowered train steps, their memory analysis
 and their canonical program diff.
@@ -94,6 +95,8 @@ class MeshRun:
   memory: tuple[dict, dict]  # XLA's memory analysis of each side's train step
   program_diff: programs.ProgramDiff
   main_signatures: tuple[str, str]  # the `@main` line of each side's lowered train step
+  batch_shardings: tuple[dict, dict]  # each compiled step's batch input shardings, per batch key
+  side_batch_sharding: jax.sharding.Sharding | None  # where the Linen side places a batch (None: one device)
 
 
 def train_on_mesh(
@@ -151,6 +154,8 @@ def train_on_mesh(
       ),
       memory=(compiled[0].memory(device), compiled[1].memory(device)),
       program_diff=runner.program_diff_of(*compiled),
+      batch_shardings=(compiled[0].batch_sharding, compiled[1].batch_sharding),
+      side_batch_sharding=None if mesh is None else linen.batch_sharding,
       main_signatures=tuple(
           next(line for line in c.text.splitlines() if 'func.func public @main(' in line) for c in compiled
       ),

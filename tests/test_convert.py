@@ -498,7 +498,12 @@ def _paths(directory) -> list[str]:
         {'0/a/kernel': np.ones((2, 2), F32), '1/opt_state/1/count': np.int32(1), '1/step': np.uint32(STEP)},
         ['opt_state/1/count', 'params/params/a/kernel', 'step'],
     ),
-], ids=['frozen_parameter', 'optimizer_with_only_a_count'])
+    (  # a trainable parameter named like fp8 state: its optimizer state says it is a parameter
+        {'0/a/kernel_scale': np.ones((2,), F32), '1/opt_state/0/mu/a/kernel_scale': np.ones((2,), F32),
+         '1/step': np.uint32(STEP)},
+        ['opt_state/0/mu/params/a/kernel_scale', 'params/params/a/kernel_scale', 'step'],
+    ),
+], ids=['frozen_parameter', 'optimizer_with_only_a_count', 'trainable_with_an_fp8_name'])
 def test_model_leaves_are_parameters_unless_named_as_fp8_state(tmp_path, nnx_tree, linen_paths):
   src, dst = _write_checkpoint(tmp_path / 'nnx', nnx_tree), str(tmp_path / 'linen')
   assert cli.main(['convert', src, dst, '--to', 'linen']) == 0
@@ -539,10 +544,11 @@ def _dead_pid() -> int:
   return child.pid
 
 
-def _put_aside(dst: str, pid: int) -> str:
-  """The old DST as a swap of `--overwrite` by process `pid` puts it aside."""
+def _put_aside(dst: str, pid: int, suffix: str = '-replaced') -> str:
+  """The old DST as a swap of `--overwrite` by process `pid` puts it aside (`-replaced`;
+  `-removing` once the new DST took its place)."""
   parent, name = os.path.split(dst)
-  aside = os.path.join(parent, f'.{name}.partial-{pid}-replaced')
+  aside = os.path.join(parent, f'.{name}.partial-{pid}{suffix}')
   os.makedirs(aside)
   with open(os.path.join(aside, 'old.txt'), 'w') as f:
     f.write('old')
@@ -556,6 +562,16 @@ def test_a_swap_killed_between_its_renames_is_undone(tmp_path, capsys):
   assert cli.main(['convert', src, dst, '--to', 'nnx']) == 2
   assert f'DST {dst} is not empty; pass --overwrite to replace it' in capsys.readouterr().err
   assert os.listdir(dst) == ['old.txt']
+  _assert_no_partials(dst)
+
+
+def test_an_old_dst_killed_while_being_removed_is_never_put_back(tmp_path, capsys):
+  """SIGKILL while the swap removed the old DST (`-removing`, maybe half gone): a later
+  conversion to a DST deleted meanwhile writes afresh and removes the leftover."""
+  src, dst = _write_checkpoint(tmp_path / 'src', LINEN_TREE), str(tmp_path / 'dst')
+  _put_aside(dst, _dead_pid(), '-removing')
+  assert cli.main(['convert', src, dst, '--to', 'nnx']) == 0, capsys.readouterr().err
+  assert os.listdir(dst) == [str(STEP)]
   _assert_no_partials(dst)
 
 
@@ -605,7 +621,7 @@ _SIGNALLED_SWAP = textwrap.dedent("""
       if when == 'between_renames' and b.endswith('-replaced'):
         signal_once()
     def signalling_rmtree(path, *args, **kwargs):
-      if when == 'removing_the_old_dst' and path.endswith('-replaced'):
+      if when == 'removing_the_old_dst' and path.endswith('-removing'):
         signal_once()
       return rmtree(path, *args, **kwargs)
     os.rename, shutil.rmtree = signalling_rename, signalling_rmtree

@@ -63,6 +63,10 @@ def test_the_steps_take_the_batch_split_as_parity_compare_places_it(scenario, me
   """The mesh tests check the program `parity compare --mesh` runs: its batch split over the
   batch axis (`place_batch`), not a batch on one device that the step would reshard."""
   run = mesh_run(scenario, mesh)
+  target = run.side_batch_sharding
+  assert target is not None and len(target.device_set) == 8 and not target.is_fully_replicated
+  for shardings in run.batch_shardings:  # per side, per batch entry ([batch, seq] arrays)
+    assert shardings and all(s.is_equivalent_to(target, 2) for s in shardings.values()), (shardings, target)
   for signature in run.main_signatures:
     arguments = signature.split('(', 1)[1].split(') -> ')[0].split('%arg')[1:]
     unplaced = [a.split(':')[0] for a in arguments if 'sharding' not in a]
