@@ -4,7 +4,8 @@ Both sides of this project write the Linen layout (`parity.checkpoints`), so
 they need no conversion. This is for codebases whose NNX side keeps its own
 native tree: `0/<path>` for the model (parameters and fp8 scaling state,
 Linen's `params/params/` and `fp8_meta/`; a model leaf is fp8 state when its
-last path segment is an fp8 delayed-scaling variable's name, FP8_META_NAMES),
+last path segment is an fp8 delayed-scaling variable's name, FP8_META_NAMES,
+and no optimizer state mirrors it; `--to nnx` refuses any other `fp8_meta/` leaf),
 `1/step` (uint32, as
 `nnx.Optimizer` keeps it) and `1/opt_state/<...>/<param path>` for the
 optimizer, the paths of `nnx.state((model, optimizer))`, and possibly
@@ -37,8 +38,9 @@ non-empty DST is refused unless `overwrite`, which renames the old DST aside,
 the new one into its place, then removes the old one (SIGTERM and Ctrl-C wait
 while the two renames run). SIGTERM or Ctrl-C removes the temporary
 directory; after SIGKILL the next conversion to that DST does (and puts an
-old DST back if the kill came between the two renames). A failure to write
-(a full disk, a file size limit) is one ConvertError: nothing written to DST.
+old DST back if the kill came between the two renames; should putting it back
+fail at once, the message says where it is). A failure to write (a full disk,
+a file size limit) is one ConvertError: nothing written to DST.
 
 Damage is caught where the format allows: a truncated file, an overwritten
 region (zarr3 shard indexes carry a crc32c). Orbax writes zstd frames
@@ -433,11 +435,22 @@ def _transformed_shape(shape: Sequence[int], fields: Mapping[str, Any], count: i
 
 
 def plan_to_nnx(arrays: Mapping[str, SourceArray], layout: Layout, rename: _Renamer) -> list[Job]:
+  """A `fp8_meta/` leaf must be fp8 scaling state as `plan_to_linen` tells it (named
+  one of FP8_META_NAMES, without optimizer state): NNX keeps it with the parameters,
+  and any other leaf there would come back as a parameter."""
   jobs, problems = [], []
+  mirrored = {split[1] for p in arrays if p.startswith('opt_state/') and (split := _split_linen(p))}
   for path, src in arrays.items():
     split = _split_linen(path)
     if split is not None:
       head, param = split
+      if head == FP8_META and not _is_fp8_meta(param, mirrored=param in mirrored):
+        problems.append(Problem(
+            path, 'fp8_meta',
+            f'fp8 scaling state: named one of {", ".join(sorted(FP8_META_NAMES))}, without optimizer state',
+            _describe(src) + (' with optimizer state' if param in mirrored else ''),
+        ))
+        continue
       for nnx_param, fields in layout.param_to_nnx(param, src.shape):
         dst = _nnx_head(head) + rename(nnx_param)
         jobs.append(Job(dst, _transformed_shape(src.shape, fields), src.dtype, Transform((path,), **fields)))
@@ -1170,9 +1183,16 @@ def _move_into_place(tmp: str, dst: str) -> str | None:
       emptied = True
   try:
     os.rename(tmp, dst)
-  except BaseException:
+  except BaseException as e:
     if old is not None:
-      os.rename(old, dst)  # should this fail too, the next conversion to DST puts it back
+      try:
+        os.rename(old, dst)
+      except OSError as back:
+        raise ConvertError(
+            f'moving the conversion into DST failed: {_write_failure(e)}, and putting the old DST'
+            f' back failed: {_write_failure(back)}; the old DST is at {old} (the next conversion to'
+            ' DST puts it back, or rename it yourself); SRC untouched'
+        ) from None
     elif emptied:
       os.mkdir(dst)
     raise

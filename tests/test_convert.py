@@ -510,6 +510,23 @@ def test_model_leaves_are_parameters_unless_named_as_fp8_state(tmp_path, nnx_tre
   assert _paths(dst) == linen_paths
 
 
+@pytest.mark.parametrize('linen_tree,got', [
+    ({'fp8_meta/a/kernel': np.ones((2, 2), F32)}, 'float32[2, 2]'),  # not an fp8 variable's name
+    ({'fp8_meta/a/kernel_scale': np.ones((1,), F32),  # an fp8 name, but trained
+      'opt_state/0/mu/params/a/kernel_scale': np.ones((1,), F32)}, 'float32[1] with optimizer state'),
+], ids=['not_an_fp8_name', 'with_optimizer_state'])
+def test_fp8_meta_holds_only_what_converts_back_as_fp8_state(tmp_path, capsys, linen_tree, got):
+  """NNX keeps fp8 state with the parameters; converted back, a leaf is fp8 state only by its
+  name and the absence of optimizer state, so any other leaf under `fp8_meta/` is refused."""
+  path = next(iter(linen_tree))
+  src = _write_checkpoint(tmp_path / 'linen', {**LINEN_TREE, **linen_tree})
+  dst = str(tmp_path / 'dst')
+  err = _refused(['convert', src, dst, '--to', 'nnx'], capsys, dst)
+  assert err.startswith('parity: error: SRC is not in the Linen checkpoint layout: 1 path(s) do not match:\n'), err
+  assert f'  {path}: fp8_meta: expected fp8 scaling state: named one of input_amax_history,' in err
+  assert err.endswith(f'without optimizer state, got {got}\n'), err
+
+
 def test_unscanned_layout_refuses_layers_still_stacked(tmp_path, capsys):
   """`--layout unscanned` reads `decoder/layers_<i>/...`; a stacked `decoder/layers/...` array is not that."""
   src = _write_checkpoint(tmp_path / 'nnx', {
@@ -602,6 +619,38 @@ def test_a_failed_swap_keeps_the_old_dst(tmp_path, capsys, monkeypatch):
       'parity: error: moving the conversion into DST failed: [Errno 5] Input/output error;'
       ' nothing written to DST, SRC untouched\n'
   )
+  assert os.listdir(dst) == ['old.txt']
+  _assert_no_partials(dst)
+
+
+def test_a_swap_that_cannot_put_the_old_dst_back_says_where_it_is(tmp_path, capsys, monkeypatch):
+  """Both renames into DST fail: the message names where the old DST sits, and the next
+  conversion to DST puts it back."""
+  src, dst = _write_checkpoint(tmp_path / 'src', LINEN_TREE), str(tmp_path / 'dst')
+  os.makedirs(dst)
+  with open(os.path.join(dst, 'old.txt'), 'w') as f:
+    f.write('old')
+  rename = os.rename
+
+  def failing_rename(a, b):
+    if b == dst:  # the new output, then the old DST put back
+      raise OSError(errno.EIO, 'Input/output error')
+    rename(a, b)
+
+  monkeypatch.setattr(os, 'rename', failing_rename)
+  assert cli.main(['convert', src, dst, '--to', 'nnx', '--overwrite']) == 2
+  err = capsys.readouterr().err
+  [aside] = _partials(dst)
+  assert aside.endswith('-replaced')
+  assert err == (
+      'parity: error: moving the conversion into DST failed: [Errno 5] Input/output error, and putting'
+      ' the old DST back failed: [Errno 5] Input/output error; the old DST is at'
+      f' {os.path.join(os.path.dirname(dst), aside)} (the next conversion to DST puts it back, or rename it'
+      ' yourself); SRC untouched\n'
+  )
+  assert not os.path.exists(dst)
+  monkeypatch.setattr(os, 'rename', rename)
+  assert cli.main(['convert', src, dst, '--to', 'nnx']) == 2  # not empty: the old DST is back
   assert os.listdir(dst) == ['old.txt']
   _assert_no_partials(dst)
 
