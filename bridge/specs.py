@@ -191,11 +191,10 @@ def sharding_drift(
     a, b = linen.get(path), nnx_shardings.get(path)
     ndim = ndims.get(path, 0)
     if a is None or b is None or _normalised_entries(a, ndim) != _normalised_entries(b, ndim):
-      problems.append(Problem(
-          path, 'sharding',
-          f'{describe_sharding(a) if a is not None else None} (Linen)',
-          f'{describe_sharding(b) if b is not None else None} (NNX)',
-      ))
+      texts = [describe_sharding(x) if x is not None else 'None' for x in (a, b)]
+      if texts[0] == texts[1]:  # same mesh shape and spec: the devices differ
+        texts = [f'{t} (devices {x.mesh.device_ids.ravel().tolist()})' for t, x in zip(texts, (a, b))]
+      problems.append(Problem(path, 'sharding', f'{texts[0]} (Linen)', f'{texts[1]} (NNX)'))
   return problems
 
 

@@ -116,6 +116,13 @@ class KnownDifference:
   max_ulp: int = 0
   max_changed_lines: int = 0
 
+  def admits_program(self, diff: Any, outside: Any) -> bool:
+    """The rule for a declared program difference, one place for the battery and the runner:
+    `diff` (parity.programs.ProgramDiff of the two train steps) within `max_changed_lines`
+    and `outside` (the same with the declared modules' operations left out) identical."""
+    return ('program' in self.passes and diff.changed_lines <= self.max_changed_lines
+            and outside is not None and outside.identical)
+
   def covers(self, path: str, pass_name: str) -> bool:
     if pass_name not in self.passes:
       return False

@@ -121,8 +121,7 @@ class CompareResult:
     declared = self.declared_program_difference
     if declared is not None:
       d, outside = self.program_diff, self.program_diff_outside
-      if (d is not None and not d.identical and d.changed_lines <= declared.max_changed_lines
-          and outside is not None and outside.identical):
+      if d is not None and not d.identical and declared.admits_program(d, outside):
         return (f'declared: {", ".join(declared.paths)}: {declared.reason}'
                 f' ({d.changed_lines} of at most {declared.max_changed_lines} canonical lines,'
                 f' identical outside those modules)')

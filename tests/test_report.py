@@ -378,3 +378,24 @@ def test_a_declared_program_difference_does_not_excuse_a_memory_difference():
   grown = dict(memory, argument_bytes=4100, peak_bytes=4210)
   moved = dataclasses.replace(result, nnx=dataclasses.replace(result.nnx, memory=grown))
   assert moved.expected_difference is not None and not moved.same_program
+
+
+@pytest.mark.parametrize('changed,outside_identical,why', [
+    (12, True, 'over the declared bound of 10 lines'),
+    (4, False, 'different outside the declared modules'),
+], ids=['over_the_bound', 'outside_the_modules'])
+def test_a_declared_program_difference_excuses_only_what_it_declares(changed, outside_identical, why):
+  """The runner applies the battery's rule (KnownDifference.admits_program): a program over
+  the bound, or different outside the declared modules, is not the same program."""
+  from parity.adapter import KnownDifference
+
+  declared = KnownDifference(('BatchNorm_0',), ('program',), 'lowers differently', max_changed_lines=10)
+  memory = dict(argument_bytes=100, output_bytes=100, temp_bytes=10, alias_bytes=0, peak_bytes=210)
+  result = runner.CompareResult(
+      3, 'linen', runner.SideRun(memory=memory), runner.SideRun(memory=dict(memory)), None, [],
+      declared_program_difference=declared,
+      program_diff=programs.ProgramDiff(False, 1, 10, 10, changed, '-a\n+b'),
+      program_diff_outside=programs.ProgramDiff(outside_identical, None, 8, 8, 0 if outside_identical else 2, ''),
+  )
+  assert result.expected_difference is None, why
+  assert not result.same_program, why

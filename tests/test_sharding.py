@@ -37,7 +37,7 @@ from bridge import train_state as bridge_state
 from bridge.layout import layout_for
 from bridge.errors import TreeMismatchError
 from models.config import get_configs
-from parity import bitwise, tables
+from parity import battery, bitwise, tables
 from parity.sides import make_sides
 from tests.runs import MESH_STEPS, THREE_AXES, mesh_cases, mesh_run, tiny_run
 
@@ -213,6 +213,23 @@ def test_sharding_drift_names_the_parameter_and_both_shardings():
       'shardings differ between Linen and NNX: 1 path(s) do not match:',
       f"  {path}: sharding: expected P('fsdp', 'tensor') on data=1,fsdp=4,tensor=2 (Linen),"
       ' got P() on data=1,fsdp=4,tensor=2 (NNX)',
+  ]
+
+
+def test_the_plugins_mesh_part_compares_placements_not_their_printing():
+  """Two specs of one placement are equal; one spec on the devices in another order is not."""
+  devices = np.array(jax.devices()[:8])
+  mesh, flipped = (jax.sharding.Mesh(d, ('fsdp',)) for d in (devices, devices[::-1]))
+  x = np.zeros((8, 4), np.float32)
+
+  def put(m, *spec):
+    return {'w': jax.device_put(x, jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec(*spec)))}
+
+  assert battery.state_sharding_drift(put(mesh, 'fsdp'), put(mesh, 'fsdp', None)) == []
+  ids = [d.id for d in devices]
+  assert battery.state_sharding_drift(put(mesh, 'fsdp'), put(flipped, 'fsdp')) == [
+      f"  w: sharding: expected P('fsdp') on fsdp=8 (devices {ids}) (Linen),"
+      f" got P('fsdp') on fsdp=8 (devices {ids[::-1]}) (NNX)"
   ]
 
 
