@@ -192,7 +192,8 @@ def sharding_drift(
     ndim = ndims.get(path, 0)
     if a is None or b is None or _normalised_entries(a, ndim) != _normalised_entries(b, ndim):
       texts = [describe_sharding(x) if x is not None else 'None' for x in (a, b)]
-      if texts[0] == texts[1]:  # same mesh shape and spec: the devices differ
+      named = all(isinstance(x, jax.sharding.NamedSharding) for x in (a, b))
+      if named and texts[0] == texts[1]:  # same mesh shape and spec: the devices differ
         texts = [f'{t} (devices {x.mesh.device_ids.ravel().tolist()})' for t, x in zip(texts, (a, b))]
       problems.append(Problem(path, 'sharding', f'{texts[0]} (Linen)', f'{texts[1]} (NNX)'))
   return problems

@@ -136,7 +136,7 @@ class Pair:
   `make_sides(mesh)` returns `(linen side, nnx side)` placed on `mesh` (None:
   one device); `batch(step, split)` gives a batch of numpy arrays for
   'train' or 'eval'. `meshes` are the mesh specs ('data=8', ...) the
-  sharded part runs on. `steps` is the length of the training runs.
+  sharded part runs on (axes `data`, `fsdp`, `tensor`: bridge.specs.MESH_AXES; all of one size). `steps` is the length of the training runs.
   `rules`: the logical axis rules of the model's parameters and activation
   constraints; on each mesh every parameter must sit where the rules put
   its logical axes (the sides shard by them: parity/stock.py takes `rules=`).

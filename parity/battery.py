@@ -2,7 +2,8 @@
 
 Each `check_*` function takes a `Pair` (parity/adapter.py) and raises
 AssertionError with a bitwise report naming every differing path; they are
-plain functions so the CLI and notebooks can run them too. Runs that several
+plain functions, so a test can call one directly (the plugin's tests are
+thin wrappers over them). Runs that several
 checks read (a pair's sides, its common start, training trajectories) are
 computed once per process (`_runs`).
 """
@@ -293,7 +294,8 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
                  f'{pair.steps} train steps on mesh {mesh_spec}')
   linen, nnx_side = runs.sides(mesh_spec)
   drift = state_sharding_drift(fa, fb)
-  assert not drift, f'{pair.name}: final state shardings differ on {mesh_spec}:\n' + '\n'.join(drift[:50])
+  more = [f'  ... and {len(drift) - 50} more'] if len(drift) > 50 else []
+  assert not drift, f'{pair.name}: final state shardings differ on {mesh_spec}:\n' + '\n'.join(drift[:50] + more)
   off = [line for side, f in ((linen, fa), (nnx_side, fb)) for line in _off_their_rules(pair, side, f)]
   assert not off, (
       f'{pair.name}: parameters not where their logical axes and the rules put them on'
@@ -313,9 +315,10 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
 
 
 def state_sharding_drift(linen: Mapping[str, Any], nnx_state: Mapping[str, Any]) -> list[str]:
-  """Each path of two states (checkpoint layout, jax arrays) placed differently: mesh,
-  device order or partition spec (`P('fsdp')` and `P('fsdp', None)` of a matrix are one
-  placement), as bridge.specs.sharding_drift tells them."""
+  """Each path of two states (checkpoint layout, jax arrays) whose shardings differ in
+  mesh, device order or partition spec, as bridge.specs.sharding_drift tells them
+  (`P('fsdp')` and `P('fsdp', None)` of a matrix are one spec; an axis of size 1
+  named on one side only still counts as a difference)."""
   shardings = [{p: x.sharding for p, x in f.items()} for f in (linen, nnx_state)]
   ndims = {p: np.ndim(x) for f in (linen, nnx_state) for p, x in f.items()}
   return [str(p) for p in specs_lib.sharding_drift(*shardings, ndims)]

@@ -1,4 +1,4 @@
-"""`parity`: spec tables and side-by-side runs of the Linen and NNX implementations.
+"""`parity`: spec tables, side-by-side runs and checkpoint conversion of the Linen and NNX implementations.
 
 Exit status: 0 equal (or converted), 1 the sides differ, 2 bad input (or out
 of memory, or a conversion that could not write or was interrupted), 3 a
@@ -353,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog='parity', description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest='command', required=True)
 
-  specs = sub.add_parser('specs', help='parameter tables of both sides; exit 1 if they differ')
+  specs = sub.add_parser('specs', help='parameter (or, with --activations, activation-constraint) tables of both sides;'
+                             ' exit 1 if they differ')
   specs.add_argument('--preset', default='default')
   specs.add_argument('--scenario', default='01_baseline', help='see `parity scenarios`')
   specs.add_argument('--mesh', default=None, help='e.g. fsdp=8 or data=2,fsdp=2,tensor=2')
@@ -365,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
   compare = sub.add_parser(
       'compare',
       help='train both sides side by side and report; exit 0 bit-identical and the same'
-           ' program (memory to the byte, canonical program), 1 otherwise',
+           ' program (memory to the byte, canonical program; --numbers-only: the numbers alone),'
+           ' 1 otherwise, 2 bad input, 3 a process of --processes failed',
   )
   compare.add_argument('--preset', default='tiny')
   compare.add_argument('--scenario', default='01_baseline', help='see `parity scenarios`')

@@ -38,9 +38,10 @@ non-empty DST is refused unless `overwrite`, which renames the old DST aside,
 the new one into its place, then removes the old one (SIGTERM and Ctrl-C wait
 while the two renames run). SIGTERM or Ctrl-C removes the temporary
 directory; after SIGKILL the next conversion to that DST does (and puts an
-old DST back if the kill came between the two renames; should putting it back
-fail at once, the message says where it is). A failure to write (a full disk,
-a file size limit) is one ConvertError: nothing written to DST.
+old DST back if the kill came between the two renames). A failure to write
+(a full disk, a file size limit) is one ConvertError: nothing written to DST;
+should the old DST of `overwrite` then fail to go back in place, the message
+says where it is.
 
 Damage is caught where the format allows: a truncated file, an overwritten
 region (zarr3 shard indexes carry a crc32c). Orbax writes zstd frames
@@ -482,11 +483,11 @@ def plan_to_linen(arrays: Mapping[str, SourceArray], layout: Layout, rename: _Re
   every array under `decoder/layers/` comes from `decoder/layers_<i>/`
   arrays, as many layers for each."""
   model = [p[len('0/'):] for p in arrays if p.startswith('0/')]
-  optimizer = [p for p in arrays if p.startswith('1/opt_state/')]
-  params = [
-      p for p in model
-      if not _is_fp8_meta(rename(p), mirrored=any(o.endswith('/' + p) for o in optimizer))
-  ]
+  longest_first = sorted(model, key=len, reverse=True)
+  # The model leaf each optimizer leaf mirrors: the longest path it ends with.
+  mirrored = {next((p for p in longest_first if o.endswith('/' + p)), None)
+              for o in arrays if o.startswith('1/opt_state/')}
+  params = [p for p in model if not _is_fp8_meta(rename(p), mirrored=p in mirrored)]
   params.sort(key=len, reverse=True)
   param_set = set(params)
   groups: dict[str, dict[int | None, str]] = collections.defaultdict(dict)
@@ -1061,7 +1062,8 @@ def convert(
   config's train state (each mismatching path listed), and the Linen scan
   axis is taken from it. Raises ConvertError / TreeMismatchError on bad
   input, and ConvertError when the output cannot be written, with nothing
-  written to DST; Interrupted on SIGTERM or Ctrl-C (saying whether DST
+  written to DST (should the old DST of `overwrite` not go back in place,
+  the message says where it is); Interrupted on SIGTERM or Ctrl-C (saying whether DST
   already holds the conversion).
   """
   import tensorstore as ts
@@ -1171,7 +1173,8 @@ def _fsync_tree(root: str) -> None:
 def _move_into_place(tmp: str, dst: str) -> str | None:
   """Renames `tmp` to `dst`; returns where the old DST was put aside, to remove (None if none).
 
-  If the second rename fails, the old DST goes back.
+  If the second rename fails, the old DST goes back; if that fails too, a
+  ConvertError says where the old DST is (DST is then absent).
   """
   old, emptied = None, False
   if os.path.lexists(dst):
@@ -1190,8 +1193,8 @@ def _move_into_place(tmp: str, dst: str) -> str | None:
       except OSError as back:
         raise ConvertError(
             f'moving the conversion into DST failed: {_write_failure(e)}, and putting the old DST'
-            f' back failed: {_write_failure(back)}; the old DST is at {old} (the next conversion to'
-            ' DST puts it back, or rename it yourself); SRC untouched'
+            f' back failed: {_write_failure(back)}; the old DST is at {old}: rename it to DST (the'
+            ' next conversion to DST does while DST is absent); SRC untouched'
         ) from None
     elif emptied:
       os.mkdir(dst)

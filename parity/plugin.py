@@ -18,8 +18,8 @@ Options: `--parity-parts=grads,train` runs only those parts;
 
 When it collects the session's first pair, before jax starts, the plugin
 sets the XLA flags the battery needs unless XLA_FLAGS already sets them: as
-many CPU devices as that pair's meshes take (8 for the default `data=8`; a
-mesh spans every device), or `--parity-mesh`'s, and deterministic GPU kernels
+many CPU devices as that pair's first mesh takes (8 for the default `data=8`;
+a mesh spans every device, so a pair's meshes are all of one size), or `--parity-mesh`'s, and deterministic GPU kernels
 (parity/xla_env.py). A session that declares no pair is left as it is.
 
 After each test of the session (a pair's or not), a process holding more

@@ -133,7 +133,7 @@ class Report:
       losses = f'bit-identical ({r.steps} steps)'
     else:
       losses = f'first divergent step: {r.first_divergent_step}'
-    rows.append(('Losses, bit for bit', '', '', losses))
+    rows.append(('Train metrics, bit for bit', '', '', losses))
     state = 'bit-identical' if not r.state_diffs else f'{len(r.state_diffs)} leaves differ'
     rows.append(('Final params + optimizer state', '', '', state))
     rows.append((

@@ -9,8 +9,8 @@ conventions (the NNX objects are split into a graphdef and a pure state
 once, and merged inside each compiled call) and map states to the
 checkpoint layout through bridge/stock.py.
 
-On a mesh each batch is split along its first axis over the pair's batch
-axis. The state is replicated (data parallel), unless the side is given
+On a mesh each batch is split along its first axis over the side's
+`batch_axis` (default `data`). The state is replicated (data parallel), unless the side is given
 logical axis `rules`: then every state leaf whose parameter carries logical
 axis names (Linen `nn.with_logical_partitioning`, NNX `out_sharding`
 metadata; optimizer moments inherit them on both sides) is sharded as the

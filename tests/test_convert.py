@@ -503,7 +503,14 @@ def _paths(directory) -> list[str]:
          '1/step': np.uint32(STEP)},
         ['opt_state/0/mu/params/a/kernel_scale', 'params/params/a/kernel_scale', 'step'],
     ),
-], ids=['frozen_parameter', 'optimizer_with_only_a_count', 'trainable_with_an_fp8_name'])
+    (  # fp8 state of module b beside a trained parameter of a/b of that name: its moments are a/b's
+        {'0/a/b/kernel_scale': np.ones((2,), F32), '0/b/kernel_scale': np.ones((1,), F32),
+         '1/opt_state/0/mu/a/b/kernel_scale': np.ones((2,), F32), '1/step': np.uint32(STEP)},
+        ['fp8_meta/b/kernel_scale', 'opt_state/0/mu/params/a/b/kernel_scale', 'params/params/a/b/kernel_scale',
+         'step'],
+    ),
+], ids=['frozen_parameter', 'optimizer_with_only_a_count', 'trainable_with_an_fp8_name',
+        'fp8_state_named_as_the_end_of_a_trained_path'])
 def test_model_leaves_are_parameters_unless_named_as_fp8_state(tmp_path, nnx_tree, linen_paths):
   src, dst = _write_checkpoint(tmp_path / 'nnx', nnx_tree), str(tmp_path / 'linen')
   assert cli.main(['convert', src, dst, '--to', 'linen']) == 0
@@ -645,8 +652,8 @@ def test_a_swap_that_cannot_put_the_old_dst_back_says_where_it_is(tmp_path, caps
   assert err == (
       'parity: error: moving the conversion into DST failed: [Errno 5] Input/output error, and putting'
       ' the old DST back failed: [Errno 5] Input/output error; the old DST is at'
-      f' {os.path.join(os.path.dirname(dst), aside)} (the next conversion to DST puts it back, or rename it'
-      ' yourself); SRC untouched\n'
+      f' {os.path.join(os.path.dirname(dst), aside)}: rename it to DST (the next conversion to DST does'
+      ' while DST is absent); SRC untouched\n'
   )
   assert not os.path.exists(dst)
   monkeypatch.setattr(os, 'rename', rename)

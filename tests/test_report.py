@@ -295,7 +295,7 @@ def test_loop_carry_order_does_not_matter_with_regions_in_the_body():
 # ---------------------------------------------------------------------------
 
 SUMMARY_LABELS = (
-    'Parameters', 'Final loss', 'Losses, bit for bit', 'TFLOP/s per device',
+    'Parameters', 'Final loss', 'Train metrics, bit for bit', 'TFLOP/s per device',
     'Tokens/s per device', 'Avg s/step', 'Compile s', 'Memory per device: arguments',
     'Memory per device: outputs', 'Memory per device: temporaries', 'Memory per device: peak',
     'Memory %', 'Train-step program', 'JAX', 'Flax', 'Optax', 'Orbax', 'Devices',
