@@ -608,11 +608,17 @@ def test_a_swap_killed_after_its_renames_leaves_nothing_behind(tmp_path):
   _assert_no_partials(dst)
 
 
-def test_a_failed_swap_keeps_the_old_dst(tmp_path, capsys, monkeypatch):
+def _source_and_an_old_dst(tmp_path) -> tuple[str, str]:
+  """A source checkpoint, and a DST holding `old.txt` for `--overwrite` to replace."""
   src, dst = _write_checkpoint(tmp_path / 'src', LINEN_TREE), str(tmp_path / 'dst')
   os.makedirs(dst)
   with open(os.path.join(dst, 'old.txt'), 'w') as f:
     f.write('old')
+  return src, dst
+
+
+def test_a_failed_swap_keeps_the_old_dst(tmp_path, capsys, monkeypatch):
+  src, dst = _source_and_an_old_dst(tmp_path)
   rename = os.rename
 
   def failing_rename(a, b):
@@ -632,11 +638,8 @@ def test_a_failed_swap_keeps_the_old_dst(tmp_path, capsys, monkeypatch):
 
 def test_a_swap_that_cannot_put_the_old_dst_back_says_where_it_is(tmp_path, capsys, monkeypatch):
   """Both renames into DST fail: the message names where the old DST sits, and the next
-  conversion to DST puts it back."""
-  src, dst = _write_checkpoint(tmp_path / 'src', LINEN_TREE), str(tmp_path / 'dst')
-  os.makedirs(dst)
-  with open(os.path.join(dst, 'old.txt'), 'w') as f:
-    f.write('old')
+  conversion to DST, while DST is absent, puts it back."""
+  src, dst = _source_and_an_old_dst(tmp_path)
   rename = os.rename
 
   def failing_rename(a, b):
