@@ -5,8 +5,9 @@
   that exact-bit records hold on x86-64 hosts with AVX2 whatever their core
   count, and on other CPU models as far as measured (parity/xla_env.py).
 * It runs on the CPU devices whatever the default backend is: on a GPU or TPU
-  host the plain `pytest -n auto` still runs the CPU battery, and xdist
-  workers do not preallocate accelerator memory. Only the hardware tier
+  host the plain `pytest -n auto` still runs the CPU battery (the processes
+  its tests start too), and xdist workers do not preallocate accelerator
+  memory. Only the hardware tier
   (`pytest -m hardware`, or its alias `-m tpu`) uses the accelerator, with
   the deterministic GPU flags set here.
 * Python's garbage collector runs less often while the workers trace
@@ -84,8 +85,10 @@ def hardware_tier_selected(config) -> bool:
 
 def pytest_configure(config):
   if not hardware_tier_selected(config):
-    # The CPU battery: CPU devices whatever the default backend.
+    # The CPU battery: CPU devices whatever the default backend, in the processes
+    # tests start too (a conversion, the notebook's kernel, `parity compare`).
     assert not xla_env.backends_started(), 'jax started before the suite chose its platform'
+    os.environ['JAX_PLATFORMS'] = 'cpu'
     import jax
 
     jax.config.update('jax_platforms', 'cpu')

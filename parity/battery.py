@@ -38,10 +38,14 @@ class _Runs:
     except ValueError as e:
       if 'devices, but' not in str(e):  # a malformed spec: its own message says what
         raise
+      backend = jax.default_backend()
+      where = ('' if backend == 'cpu' else
+               f"; jax's default backend here is {backend}: JAX_PLATFORMS=cpu runs the battery"
+               f' on the CPU devices, or --parity-mesh gives a mesh of the {backend} devices')
       raise ValueError(
           f'{e}. A mesh spans every device; on the CPU, XLA_FLAGS='
           '--xla_force_host_platform_device_count=N set before jax starts gives N devices'
-          " (the plugin sets it for the first pair's meshes, or --parity-mesh's)"
+          f" (the plugin sets it for the first pair's meshes, or --parity-mesh's){where}"
       ) from None
     return self.pair.make_sides(mesh)
 

@@ -10,6 +10,14 @@ constants repeated per use. None of that is the computation, so
 `canonicalize` removes all of it (it reads the program as a dataflow graph);
 what is left differs only where the computation does, and `diff` shows where.
 
+One of those orders is not only spelling: the order of a loop's carried
+values is the order XLA's scheduler starts from, and XLA:GPU has scheduled
+the same loop body otherwise with its values in another order (the fp8
+decoder on an H100: +32 KiB of temporaries, every number bitwise equal;
+XLA:CPU gave equal memory). So where the canonical programs are identical,
+`diff` also compares each loop's carried types in order (`loop_carries`),
+which the CPU suite can check without the GPU.
+
 `sharding_annotations` reads the sharding attributes of a lowered program
 (GSPMD `mhlo.sharding` and Shardy `sdy.sharding` spellings), so tests can
 assert that both sides' programs carry the same shardings.
@@ -874,10 +882,46 @@ STEP_COUNTER_DTYPE = AllowedDifference(
 ALLOWED: tuple[AllowedDifference, ...] = (STEP_COUNTER_DTYPE,)
 
 
+_WHILE_TYPES = re.compile(r'stablehlo\.while\((?:[^()]|\([^()]*\))*\)\s*:\s*([^\n]*)')
+
+
+def loop_carries(text: str) -> list[list[str]]:
+  """Each `stablehlo.while` of a lowered program, in text order: the types it carries, in order.
+
+  Types, not values: two carried values of one type trading places are not
+  told apart here (the canonical comparison still sees what each computes).
+  """
+  text = _strip_locations(text)
+  return [_split_top_level(m.group(1).strip()) for m in _WHILE_TYPES.finditer(text)]
+
+
+def loop_order_difference(linen_text: str, nnx_text: str) -> str:
+  """'' when both programs' loops carry the same types in the same order; else where they differ."""
+  a, b = loop_carries(linen_text), loop_carries(nnx_text)
+  if len(a) != len(b):
+    return f'Linen has {len(a)} loops, NNX {len(b)}'
+  for k, (x, y) in enumerate(zip(a, b)):
+    if x == y:
+      continue
+    if sorted(x) != sorted(y):
+      return f'loop {k} (of {len(a)}, in program order) carries other types'
+    i = next(i for i, (p, q) in enumerate(zip(x, y)) if p != q)
+    return (
+        f'loop {k} (of {len(a)}, in program order) carries the same {len(x)} values in another'
+        f' order, from value {i} on: Linen {", ".join(x[i:i + 3])}, ...; NNX'
+        f' {", ".join(y[i:i + 3])}, ... (e.g. nnx.scan flattens a module\'s state by path,'
+        " while Linen's nn.scan takes one collection after another: nnx.StateAxes orders"
+        ' them as Linen does)'
+    )
+  return ''
+
+
 @dataclasses.dataclass
 class ProgramDiff:
   identical: bool
-  first_difference: int | None  # 1-based line in the canonical Linen program
+  # 1-based line in the canonical Linen program; None when identical, or when the
+  # canonical programs are identical and only a loop's carried order differs.
+  first_difference: int | None
   linen_lines: int
   nnx_lines: int
   changed_lines: int  # lines removed plus lines added
@@ -885,11 +929,14 @@ class ProgramDiff:
   first_linen: str = ''  # the first differing canonical line, each side
   first_nnx: str = ''
   allowed: list[str] = dataclasses.field(default_factory=list)  # names of ALLOWED entries applied
+  loop_order: str = ''  # `loop_order_difference` where the canonical programs are identical
 
   def summary(self) -> str:
     if self.identical:
       except_ = f' except: {", ".join(self.allowed)}' if self.allowed else ''
       return f'programs identical{except_} ({self.linen_lines} canonical lines)'
+    if self.loop_order:
+      return f'programs differ: the same computation, but {self.loop_order}'
     return (
         f'programs differ: first difference at canonical line {self.first_difference}'
         f' of {self.linen_lines} (Linen) / {self.nnx_lines} (NNX); {self.changed_lines}'
@@ -959,7 +1006,8 @@ def diff(
   allowed_names = [a.name for a in allowed]
   if full[0] == full[1]:
     n = len(full[0].splitlines())
-    return ProgramDiff(True, None, n, n, 0, '', allowed=allowed_names)
+    loop_order = loop_order_difference(linen_text, nnx_text)
+    return ProgramDiff(not loop_order, None, n, n, 0, '', allowed=allowed_names, loop_order=loop_order)
   a, b = (t.splitlines() for t in _short_names(full))
   matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
   opcodes = [op for op in matcher.get_opcodes() if op[0] != 'equal']

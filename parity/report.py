@@ -237,7 +237,7 @@ class Report:
     if d is None:
       return []
     lines = [d.summary()]
-    if not d.identical:
+    if not d.identical and not d.loop_order:
       lines.append(f'  first difference, Linen: {d.first_linen or "(nothing)"}')
       lines.append(f'  first difference, NNX:   {d.first_nnx or "(nothing)"}')
     return lines

@@ -157,6 +157,8 @@ class CompareResult:
       return 'not compared'
     if d.identical:
       return 'identical' + (f' except: {", ".join(d.allowed)}' if d.allowed else '')
+    if d.loop_order:
+      return 'differs (the same computation; a loop carries its values in another order)'
     declared, outside = self.declared_program_difference, self.program_diff_outside
     if outside is not None and not outside.identical:
       return (f'differs ({d.changed_lines} canonical lines; {outside.changed_lines} outside the'

@@ -13,7 +13,9 @@ Four needs, each named here:
   under qemu's Intel Haswell model (another vendor, cache sizes and no
   AVX-512) for every scenario but 05_fp8, which leaves its record there
   from step 2 because qemu flushes float16 denormals that the F16C
-  conversions keep on x86 CPUs by Intel's manual (tests/test_scenarios.py). Any x86-64 CPU with
+  conversions keep on x86 CPUs by Intel's manual (tests/test_scenarios.py).
+  The jax 0.11 records, written on the AMD EPYC, held on a 16-core Intel
+  Xeon (AVX-512, AMX) for every scenario, 05_fp8 too. Any x86-64 CPU with
   AVX2 and FMA runs them; the suite and the golden records use them. Not
   covered: other architectures (ARM), and real second CPUs beyond these.
 * **Deterministic GPU** (`GPU_DETERMINISTIC_FLAGS`): XLA:GPU's scatter and
@@ -21,6 +23,8 @@ Four needs, each named here:
   autotuned algorithms); bitwise runs on a GPU need them off. Reported from
   an H100 run (jax 0.11): without the flag `08_bf16_weights` and
   `09_tied_logits` diverge across sides, with it they are bit-identical.
+  Measured with it on one H100 (jax 0.11.2): every scenario of the tiny
+  preset bit-identical over 10 steps, and the hardware tier passes.
   The flag is read only by the GPU backend.
 * **CPU devices for a mesh** (`host_device_count_flag`): jax on CPU has one
   device unless told before it starts.

@@ -103,10 +103,17 @@ def test_the_memory_check_fails_when_nothing_is_measured(monkeypatch):
     battery.check_memory(classifier)
 
 
-def test_a_mesh_of_another_device_count_says_how_to_get_the_devices():
+def test_a_mesh_of_another_device_count_says_how_to_get_the_devices(monkeypatch):
   from parity import battery
 
-  with pytest.raises(ValueError, match=r"needs 4 devices, but 8 are available\. .*device_count=N"):
+  with pytest.raises(ValueError, match=r"needs 4 devices, but 8 are available\. .*device_count=N") as e:
+    battery._Runs(classifier).sides('data=4')
+  assert 'default backend' not in str(e.value)
+  # On an accelerator host (seen on a one-GPU host: the plugin's data=8 against 1 device),
+  # the CPU's flag alone would not help: it says how to run on the CPU, or on those devices.
+  monkeypatch.setattr(battery.jax, 'default_backend', lambda: 'gpu')
+  with pytest.raises(ValueError, match=r"default backend here is gpu: JAX_PLATFORMS=cpu runs the"
+                                       r" battery on the CPU devices, or --parity-mesh"):
     battery._Runs(classifier).sides('data=4')
   with pytest.raises(ValueError, match=r"^bad mesh spec 'data'"):  # not a device count: its own message
     battery._Runs(classifier).sides('data')
