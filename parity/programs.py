@@ -911,7 +911,8 @@ def loop_order_difference(linen_text: str, nnx_text: str) -> str:
         f' order, from value {i} on: Linen {", ".join(x[i:i + 3])}, ...; NNX'
         f' {", ".join(y[i:i + 3])}, ... (e.g. nnx.scan flattens a module\'s state by path,'
         " while Linen's nn.scan takes one collection after another: nnx.StateAxes orders"
-        ' them as Linen does)'
+        " them as Linen does; under remat, Linen's collections enter in name order: split"
+        ' the NNX state by filters in that order)'
     )
   return ''
 

@@ -411,7 +411,11 @@ _PAUSING_CONVERT = textwrap.dedent("""
       reads.append(1)
       if len(reads) == 10:  # some arrays are written by now
         print('paused', flush=True)
-        time.sleep(120)
+        # Short sleeps: the kernel may hand SIGTERM to one of tensorstore's
+        # threads, and then only the main thread's next bytecode runs the
+        # handler; one long sleep would hold it back for the whole pause.
+        for _ in range(1200):
+          time.sleep(0.1)
       return read_box(*args)
     convert._read_box = pausing_read_box
     sys.exit(cli.main(sys.argv[1:]))

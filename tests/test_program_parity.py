@@ -13,11 +13,14 @@ here compiles a step of its own.
 """
 import dataclasses
 
+import jax
 import pytest
 
 from bridge.layout import layout_for
+from models import data, rng
 from models.config import SCENARIOS, get_configs
 from parity import programs, runner
+from parity.sides import make_sides
 from tests.runs import THREE_AXES, mesh_cases, mesh_run, tiny_run
 
 SAME_LAYOUT = [s for s in sorted(SCENARIOS) if not layout_for(get_configs('tiny', s)[0]).moves]
@@ -76,3 +79,27 @@ def test_the_other_layout_is_a_stated_program_difference():
   grown = dict(result.nnx.memory, argument_bytes=result.nnx.memory['argument_bytes'] + 4)
   moved = dataclasses.replace(result, nnx=dataclasses.replace(result.nnx, memory=grown))
   assert moved.expected_difference is not None and not moved.same_program
+
+
+@pytest.mark.parametrize('scanned', [True, False], ids=['scanned', 'unscanned'])
+def test_fp8_under_rematerialisation_is_the_same_program(scanned):
+  """fp8 and remat together (no scenario combines them): lowered, not trained.
+
+  Linen's `nn.remat` takes a layer's variables as one dict of collections,
+  which jax flattens in key order: the fp8 collection (`_overwrite_with_gradient`)
+  before `params`. NNX's `_remat_layer` splits the layer in that order; with
+  the state split by path (or parameters first), the unscanned programs
+  differ and the scanned backward layer loop carries its values in another
+  order (`programs.loop_order_difference`).
+  """
+  model_cfg, train_cfg = get_configs('tiny', '05_fp8' if scanned else '02_unscanned')
+  model_cfg = dataclasses.replace(model_cfg, quantization='fp8', remat_policy='full')
+  batch = data.make_batch(model_cfg, train_cfg, 0)
+  lowered = [
+      runner.comparison_lowering(side, jax.eval_shape(lambda: side.init(0)), batch, rng.base_key(0))
+      for side in make_sides(model_cfg, train_cfg)
+  ]
+  (linen_text, linen_args), (nnx_text, nnx_args) = lowered
+  _check_program(programs.diff(
+      linen_text, nnx_text, linen_args=linen_args, nnx_args=nnx_args, allowed=programs.ALLOWED,
+  ))
