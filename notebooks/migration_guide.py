@@ -252,7 +252,11 @@ show_source(linen_decoder.Decoder, 'if cfg.scan_layers:', 'else:')
 # layer's axis is an `nnx.StateAxes` listing the parameters first, then the
 # rest (fp8 scaling state), as Linen's `variable_axes` does: the loop then
 # carries the arrays in Linen's order, which XLA's scheduler starts from
-# (without it, the fp8 step took 32 KiB more on a GPU, same numbers):
+# (without it, the fp8 step took 32 KiB more on a GPU, same numbers).
+# Rematerialised layers keep Linen's order too: `nn.remat` takes a layer's
+# collections in name order (fp8's `_overwrite_with_gradient` before
+# `params`), so NNX's `_remat_layer` splits the layer that way before
+# `jax.checkpoint` (split by path, fp8 under remat was another program):
 
 # %%
 show_source(nnx_decoder.Decoder.__init__, 'if cfg.scan_layers:', 'else:')
