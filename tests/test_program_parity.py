@@ -9,7 +9,8 @@ today only the step counter's dtype). `10_scan_axis0` stores the NNX layers
 on another axis on purpose; its programs differ and the report says why.
 
 The numbers come from runs the suite makes anyway (`tests.runs`): nothing
-here compiles a step of its own.
+here compiles a step of its own. One combination no scenario trains, fp8
+under rematerialisation, is lowered here (not compiled) for its programs.
 """
 import dataclasses
 
