@@ -15,8 +15,9 @@ values is the order XLA's scheduler starts from, and XLA:GPU has scheduled
 the same loop body otherwise with its values in another order (the fp8
 decoder on an H100: +32 KiB of temporaries, every number bitwise equal;
 XLA:CPU gave equal memory). So where the canonical programs are identical,
-`diff` also compares each loop's carried types in order (`loop_carries`),
-which the CPU suite can check without the GPU.
+`diff` also compares each loop's carried types in order (`loop_carries`;
+loops paired by what they carry, not by where the text prints them), which
+the CPU suite can check without the GPU.
 
 `sharding_annotations` reads the sharding attributes of a lowered program
 (GSPMD `mhlo.sharding` and Shardy `sdy.sharding` spellings), so tests can
@@ -896,25 +897,42 @@ def loop_carries(text: str) -> list[list[str]]:
 
 
 def loop_order_difference(linen_text: str, nnx_text: str) -> str:
-  """'' when both programs' loops carry the same types in the same order; else where they differ."""
+  """'' when both programs' loops carry the same types in the same order; else where they differ.
+
+  Loops are paired by what they carry, not by their place in the text: the
+  two sides may print their private functions, and so their loops, in
+  another order. A Linen loop with no NNX loop carrying the same sequence is
+  reported, against an unpaired NNX loop carrying the same types in another
+  order if there is one.
+  """
   a, b = loop_carries(linen_text), loop_carries(nnx_text)
   if len(a) != len(b):
     return f'Linen has {len(a)} loops, NNX {len(b)}'
-  for k, (x, y) in enumerate(zip(a, b)):
-    if x == y:
-      continue
-    if sorted(x) != sorted(y):
-      return f'loop {k} (of {len(a)}, in program order) carries other types'
-    i = next(i for i, (p, q) in enumerate(zip(x, y)) if p != q)
-    return (
-        f'loop {k} (of {len(a)}, in program order) carries the same {len(x)} values in another'
-        f' order, from value {i} on: Linen {", ".join(x[i:i + 3])}, ...; NNX'
-        f' {", ".join(y[i:i + 3])}, ... (e.g. nnx.scan flattens a module\'s state by path,'
-        " while Linen's nn.scan takes one collection after another: nnx.StateAxes orders"
-        " them as Linen does; under remat, Linen's collections enter in name order: split"
-        ' the NNX state by filters in that order)'
-    )
-  return ''
+  unpaired_nnx = list(enumerate(b))
+  unpaired_linen = []
+  for k, x in enumerate(a):
+    j = next((j for j, (_, y) in enumerate(unpaired_nnx) if y == x), None)
+    if j is None:
+      unpaired_linen.append((k, x))
+    else:
+      del unpaired_nnx[j]
+  if not unpaired_linen:
+    return ''
+  k, x = unpaired_linen[0]
+  same_types = [(m, y) for m, y in unpaired_nnx if sorted(y) == sorted(x)]
+  if not same_types:
+    return f'loop {k} (of {len(a)}, in program order) carries other types'
+  m, y = same_types[0]
+  where = f'loop {k}' if m == k else f"Linen's loop {k} (NNX's loop {m})"
+  i = next(i for i, (p, q) in enumerate(zip(x, y)) if p != q)
+  return (
+      f'{where} (of {len(a)}, in program order) carries the same {len(x)} values in another'
+      f' order, from value {i} on: Linen {", ".join(x[i:i + 3])}, ...; NNX'
+      f' {", ".join(y[i:i + 3])}, ... (e.g. nnx.scan flattens a module\'s state by path,'
+      " while Linen's nn.scan takes one collection after another: nnx.StateAxes orders"
+      " them as Linen does; under remat, Linen's collections enter in name order: split"
+      ' the NNX state by filters in that order)'
+  )
 
 
 @dataclasses.dataclass

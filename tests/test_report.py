@@ -328,6 +328,36 @@ def test_a_loop_carrying_its_values_in_another_order_is_a_difference():
   assert programs.loop_carries(straight) == [['tensor<i32>', 'tensor<4xf32>', 'tensor<i32>']]
 
 
+def _two_loops(x_first: bool, x_counter_first: bool = False) -> str:
+  """Two loops, over a 4-vector `x` and an 8-vector `y`, lowered in either order."""
+  import jax
+
+  def loop(v, counter_first=False):
+    if counter_first:
+      return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0), (0, v))[1]
+    return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 2.0, c[1] + 1), (v, 0))[0]
+
+  def f(x, y):
+    if x_first:
+      a = loop(x, x_counter_first)
+      return a, loop(y)
+    b = loop(y)
+    return loop(x, x_counter_first), b
+
+  return jax.jit(f).lower(jax.ShapeDtypeStruct((4,), 'float32'), jax.ShapeDtypeStruct((8,), 'float32')).as_text()
+
+
+def test_loops_are_paired_by_what_they_carry_not_by_their_place_in_the_text():
+  """The same loops printed in another order are no difference; a loop carrying its values otherwise still is."""
+  x_first, y_first = _two_loops(True), _two_loops(False)
+  assert programs.loop_carries(x_first) == programs.loop_carries(y_first)[::-1] != programs.loop_carries(y_first)
+  assert programs.loop_order_difference(x_first, y_first) == ''
+  swapped = _two_loops(False, x_counter_first=True)
+  assert programs.loop_order_difference(x_first, swapped).startswith(
+      "Linen's loop 0 (NNX's loop 1) (of 2, in program order) carries the same 2 values in another order, from value 0 on"
+  )
+
+
 # ---------------------------------------------------------------------------
 # Tables and progress
 # ---------------------------------------------------------------------------
