@@ -923,10 +923,13 @@ def loop_order_difference(linen_text: str, nnx_text: str) -> str:
   if not same_types:
     return f'loop {k} (of {len(a)}, in program order) carries other types'
   m, y = same_types[0]
-  where = f'loop {k}' if m == k else f"Linen's loop {k} (NNX's loop {m})"
+  where = (
+      f'loop {k} (of {len(a)}, in program order) carries' if m == k
+      else f"Linen's loop {k} and NNX's loop {m} (of {len(a)}, in program order) carry"
+  )
   i = next(i for i, (p, q) in enumerate(zip(x, y)) if p != q)
   return (
-      f'{where} (of {len(a)}, in program order) carries the same {len(x)} values in another'
+      f'{where} the same {len(x)} values in another'
       f' order, from value {i} on: Linen {", ".join(x[i:i + 3])}, ...; NNX'
       f' {", ".join(y[i:i + 3])}, ... (e.g. nnx.scan flattens a module\'s state by path,'
       " while Linen's nn.scan takes one collection after another: nnx.StateAxes orders"

@@ -354,7 +354,7 @@ def test_loops_are_paired_by_what_they_carry_not_by_their_place_in_the_text():
   assert programs.loop_order_difference(x_first, y_first) == ''
   swapped = _two_loops(False, x_counter_first=True)
   assert programs.loop_order_difference(x_first, swapped).startswith(
-      "Linen's loop 0 (NNX's loop 1) (of 2, in program order) carries the same 2 values in another order, from value 0 on"
+      "Linen's loop 0 and NNX's loop 1 (of 2, in program order) carry the same 2 values in another order, from value 0 on"
   )
 
 
