@@ -23,6 +23,13 @@ from models import compat
 Flat = dict[str, Any]
 
 
+class BatchError(ValueError):
+  """A batch a side cannot place as asked (rows its mesh's batch axis cannot split evenly).
+
+  A user error: `parity compare` reports it in one line with exit status 2.
+  """
+
+
 @runtime_checkable
 class Side(Protocol):
   """One side of a migration. States are pytrees; the step functions are compiled once."""
@@ -92,6 +99,11 @@ class Probe:
   param_grads: Flat  # checkpoint path of a parameter -> gradient
 
 
+# What a KnownDifference may declare: values of a pass ('grads', 'train',
+# 'eval'), the localizer's forward pass, the program, and its memory.
+PASSES = ('grads', 'train', 'eval', 'forward', 'program', 'memory')
+
+
 @dataclasses.dataclass(frozen=True)
 class KnownDifference:
   """A difference proven inherent to the frameworks, for the module paths it names only.
@@ -106,8 +118,13 @@ class KnownDifference:
   compared; parity.programs `opaque_modules`;
   the NNX side names its module calls by their Linen paths, parity/scopes.py,
   in an optional `lower_for_comparison(state, batch, dropout_base)` as
-  StockNnx has; a side without it leaves nothing out). `reason` (the cause, with its
-  evidence) goes into the report and every failure message.
+  StockNnx has; a side without it leaves nothing out). With 'memory' too (only
+  beside 'program': a lowering that differs may place its temporaries
+  differently), XLA's memory analysis of the train steps may differ in the
+  temporaries, and so the peak, by at most `max_temp_bytes` each; the
+  arguments, outputs and aliased bytes (the state) stay equal to the byte.
+  `reason` (the cause, with its evidence) goes into the report and every
+  failure message. A pass name the battery does not know is an error.
   """
 
   paths: tuple[str, ...]
@@ -115,6 +132,21 @@ class KnownDifference:
   reason: str
   max_ulp: int = 0
   max_changed_lines: int = 0
+  max_temp_bytes: int = 0
+
+  def __post_init__(self):
+    for field in ('paths', 'passes'):
+      value = getattr(self, field)
+      if isinstance(value, str) or not value or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f'KnownDifference {field}: a non-empty tuple of strings, got {value!r}')
+    unknown = [p for p in self.passes if p not in PASSES]
+    if unknown:
+      raise ValueError(f'KnownDifference passes {unknown}: not passes the battery knows {PASSES}')
+    if 'memory' in self.passes and 'program' not in self.passes:
+      raise ValueError(
+          "KnownDifference passes: 'memory' only beside 'program' (memory may differ only where a"
+          ' declared program difference explains it)'
+      )
 
   def admits_program(self, diff: Any, outside: Any) -> bool:
     """The rule for a declared program difference, one place for the battery and the runner:

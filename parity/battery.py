@@ -106,7 +106,31 @@ class _Runs:
     if result.first(step) is None:
       lines.append('both passes are bitwise from the same state: the difference is in what the'
                    ' step does with the gradients (optimizer update, state collections)')
+      lines += self.parameter_order_lines()
     return lines
+
+  def parameter_order_lines(self) -> list[str]:
+    """Where the sides flatten their parameters in different orders, a line saying so.
+
+    A reduction over every leaf (optax.clip_by_global_norm, a global-norm
+    metric) adds the leaves in the tree's order, so two sides holding the same
+    parameters in another order round differently. The orders are the
+    compiled train steps' arguments, named by checkpoint path.
+    """
+    try:
+      names = [self.compiled(s).argument_names or [] for s in ('linen', 'nnx')]
+    except Exception as e:  # a hint only: never hide the failure it explains
+      return [f'(parameter order not compared: {type(e).__name__}: {e})']
+    common = set(names[0]) & set(names[1])
+    orders = [[n for n in side if n.startswith('params/') and n in common] for side in names]
+    for i, (a, b) in enumerate(zip(*orders)):
+      if a != b:
+        return [f'the sides flatten their parameters in different orders (parameter {i}: Linen'
+                f' {a}, NNX {b}): a reduction over every leaf, such as optax.clip_by_global_norm'
+                ' or a global-norm metric, adds them in another order and rounds differently.'
+                ' Both frameworks flatten by sorted names: NNX attribute names that sort as the'
+                ' Linen module names do make the two sums the same']
+    return []
 
   @functools.cache
   def compiled(self, side_name: str) -> runner.CompiledStep:
@@ -291,11 +315,13 @@ def check_resume(pair: adapter.Pair, direction: str) -> None:
 
 
 def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
-  """Both sides on `mesh_spec`: equal train metrics and final state, same shardings and annotations."""
+  """Both sides on `mesh_spec`: same shardings and annotations, equal train metrics and final state.
+
+  The placement is checked first: a parameter sharded otherwise on one side
+  is the cause of the few-ULP differences it makes in the numbers.
+  """
   runs = _runs(pair)
   (ma, fa, _), (mb, fb, _) = (runs.trajectory(s, 'linen', mesh_spec) for s in ('linen', 'nnx'))
-  seen = compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
-                 f'{pair.steps} train steps on mesh {mesh_spec}')
   linen, nnx_side = runs.sides(mesh_spec)
   drift = state_sharding_drift(fa, fb)
   more = [f'  ... and {len(drift) - 50} more'] if len(drift) > 50 else []
@@ -315,7 +341,8 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
       f'{pair.name}: sharding annotations of the train steps differ on {mesh_spec}:'
       f' only linen {dict(a - b)}, only nnx {dict(b - a)}'
   )
-  return seen
+  return compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
+                 f'{pair.steps} train steps on mesh {mesh_spec}')
 
 
 def state_sharding_drift(linen: Mapping[str, Any], nnx_state: Mapping[str, Any]) -> list[str]:
@@ -345,7 +372,7 @@ def _off_their_rules(pair: adapter.Pair, side: adapter.Side, flat: Mapping[str, 
   return lines
 
 
-def check_memory(pair: adapter.Pair) -> None:
+def check_memory(pair: adapter.Pair) -> list[str]:
   runs = _runs(pair)
   device = jax.devices()[0]
   mem = [runs.compiled(s).memory(device) for s in ('linen', 'nnx')]
@@ -355,7 +382,18 @@ def check_memory(pair: adapter.Pair) -> None:
       ' nothing compared. Leave the memory part out on a backend without it (--parity-parts)'
   )
   drift = runner.memory_drift(*mem)
-  assert not drift, f'{pair.name}: XLA memory analysis of the train steps differs: NNX ' + ', '.join(drift)
+  if not drift:
+    return []
+  known = pair.program_difference()
+  if runner.declared_memory_admits(known, *mem):
+    return [f'memory differs within the declared bound (NNX {", ".join(drift)}; at most'
+            f' {known.max_temp_bytes:,} B of temporaries, {", ".join(known.paths)}: {known.reason})']
+  raise AssertionError(
+      f'{pair.name}: XLA memory analysis of the train steps differs: NNX ' + ', '.join(drift)
+      + ('' if known is None or 'memory' not in known.passes else
+         f' (beyond the declared memory difference: temporaries and peak within'
+         f' {known.max_temp_bytes:,} B each, everything else equal)')
+  )
 
 
 def check_program(pair: adapter.Pair) -> list[str]:

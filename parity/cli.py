@@ -150,9 +150,15 @@ def _check_output(path: str | None, option: str) -> None:
 
 
 def cmd_compare(args) -> int:
+  if args.pair and (args.preset, args.scenario) != (None, None):
+    raise BadInput('--preset and --scenario choose the reference decoder\'s configuration;'
+                   ' a --pair brings its own model and data')
+  args.preset = args.preset or 'tiny'
+  args.scenario = args.scenario or '01_baseline'
   if args.processes > 1 and not _in_worker():
     return _launch_processes(args)
   from models import config
+  from parity import adapter
   from parity import report as report_lib
   from parity import runner
 
@@ -192,6 +198,8 @@ def cmd_compare(args) -> int:
           seed=args.seed, init_side=args.init,
           declared_program_difference=pair.program_difference(), **options,
       )
+  except adapter.BatchError as e:
+    raise BadInput(str(e)) from None
   except Exception as e:  # XLA's runtime error type moved between jax versions
     message = out_of_memory_message(e, args)
     if message is None:
@@ -369,8 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
            ' program (memory to the byte, canonical program; --numbers-only: the numbers alone),'
            ' 1 otherwise, 2 bad input, 3 a process of --processes failed',
   )
-  compare.add_argument('--preset', default='tiny')
-  compare.add_argument('--scenario', default='01_baseline', help='see `parity scenarios`')
+  compare.add_argument('--preset', default=None, help='the reference decoder\'s size (default: tiny)')
+  compare.add_argument('--scenario', default=None, help='see `parity scenarios` (default: 01_baseline)')
   compare.add_argument('--mesh', default=None,
                        help='e.g. fsdp=8 or data=2,fsdp=2,tensor=2 (default: one device)')
   compare.add_argument('--steps', type=int, default=10)

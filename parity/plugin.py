@@ -162,8 +162,8 @@ class _Battery:
   def test_mesh(self, parity_mesh):
     battery.check_mesh(self.pair, parity_mesh)
 
-  def test_memory(self):
-    battery.check_memory(self.pair)
+  def test_memory(self, request):
+    _record(request, 'declared_differences', battery.check_memory(self.pair))
 
   def test_program(self, request):
     _record(request, 'declared_differences', battery.check_program(self.pair))

@@ -148,6 +148,10 @@ class CompareResult:
     drift = self.memory_drift
     if not drift:
       return 'equal to the byte'
+    declared = self.declared_program_difference
+    if declared_memory_admits(declared, self.linen.memory, self.nnx.memory):
+      return (f'differs within the declared bound (NNX ' + ', '.join(drift)
+              + f'; at most {declared.max_temp_bytes:,} B of temporaries)')
     return 'differs (NNX ' + ', '.join(drift) + ')'
 
   @property
@@ -174,14 +178,16 @@ class CompareResult:
 
     By design: a declared program difference (within its bound of canonical
     lines, the program identical outside its modules; memory equal to the
-    byte, as the battery's memory part asserts); or a layout move, where the
+    byte, or within the declared memory bound, as the battery's memory part
+    asserts); or a layout move, where the
     programs differ but the arguments and outputs (the state) take the same
     bytes and only temporaries may differ (`LAYOUT_MOVE_MEMORY`).
     """
     if self.expected_difference is None:
       return not self.memory_drift and (self.program_diff is None or self.program_diff.identical)
     if self.declared_program_difference is not None:
-      return not self.memory_drift
+      return not self.memory_drift or declared_memory_admits(
+          self.declared_program_difference, self.linen.memory, self.nnx.memory)
     return not memory_drift(self.linen.memory, self.nnx.memory, exclude=LAYOUT_MOVE_MEMORY)
 
   @property
@@ -374,6 +380,21 @@ MEMORY_FIELDS = ('argument_bytes', 'output_bytes', 'temp_bytes', 'alias_bytes', 
 # What a layout move (the layers stacked on another axis) may change: the
 # transposes' temporaries. The state the step reads and writes is the same bytes.
 LAYOUT_MOVE_MEMORY = ('temp_bytes', 'peak_bytes')
+
+
+def declared_memory_admits(declared: Any, linen: dict[str, Any], nnx: dict[str, Any]) -> bool:
+  """A pair's declared memory difference (parity.adapter.KnownDifference with 'memory') holds:
+  arguments, outputs and aliased bytes equal to the byte, temporaries and the peak within
+  `max_temp_bytes` each."""
+  if declared is None or 'memory' not in declared.passes:
+    return False
+  if memory_drift(linen, nnx, exclude=LAYOUT_MOVE_MEMORY):
+    return False
+  return all(
+      linen.get(f) is not None and nnx.get(f) is not None
+      and abs(nnx[f] - linen[f]) <= declared.max_temp_bytes
+      for f in LAYOUT_MOVE_MEMORY
+  )
 
 
 def memory_drift(linen: dict[str, Any], nnx: dict[str, Any], exclude: tuple[str, ...] = ()) -> list[str]:

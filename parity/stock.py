@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 
 import flax.linen as nn
 import jax
+import numpy as np
 from flax import nnx
 from flax.core import meta
 
@@ -74,6 +75,17 @@ class _Stock:
     sharding = self.batch_sharding()
     if sharding is None:
       return {k: jax.numpy.asarray(v) for k, v in batch.items()}
+    ways = self.mesh.shape[self.batch_axis]
+    for k, v in batch.items():
+      shape = np.shape(v)
+      if not shape or shape[0] % ways:
+        rows = f'{shape[0]} rows' if shape else 'no batch dimension'
+        raise adapter.BatchError(
+            f'batch entry {k!r} ({paths.describe(np.asarray(v))}) has {rows}: the mesh\'s {self.batch_axis!r} axis'
+            f' splits the batch over {ways} devices, evenly only. Give the pair a batch whose first'
+            f' dimension divides by {ways}, or other meshes: Pair(meshes=...), pytest --parity-mesh,'
+            f' parity compare --mesh'
+        )
     return {k: jax.device_put(v, sharding) for k, v in batch.items()}
 
   def checkpoint_shardings(self) -> dict[str, Any]:

@@ -135,3 +135,27 @@ def test_a_declared_ulp_bound_does_not_cover_integers():
   assert battery.compare(pair, 'train', {'w': a['w']}, {'w': b['w']}, 'final states') == [
       'w: 1 ULP (declared bound 4: test)'
   ]
+
+
+@pytest.mark.xdist_group('parity-classifier')
+def test_parameters_flattened_in_one_order_get_no_order_hint():
+  """conv1, bn1, ... sort as Conv_0, BatchNorm_0, ... do: nothing to say."""
+  from parity import battery
+
+  assert battery._runs(classifier).parameter_order_lines() == []
+
+
+def test_a_batch_the_mesh_cannot_split_is_a_clear_error():
+  """A batch of 6 rows on `data=8`: the error names the entry, its rows and the ways out,
+  before jax's own error from inside device_put."""
+  from bridge import specs
+  from parity.adapter import BatchError
+
+  linen, nnx_side = make_sides(CFG, specs.make_mesh('data=8'))
+  batch = {k: v[:6] for k, v in classifier_batch(CFG, 0, 'train').items()}
+  for side in (linen, nnx_side):
+    with pytest.raises(BatchError, match=r"batch entry 'images' \(float32\[6, .*\) has 6 rows: the mesh's"
+                                         r" 'data' axis splits the batch over 8 devices, evenly only"):
+      side.place_batch(batch)
+  full = classifier_batch(CFG, 0, 'train')  # 8 rows: placed, one row per device
+  assert {k: v.sharding.shard_shape(v.shape)[0] for k, v in linen.place_batch(full).items()} == dict.fromkeys(full, 1)

@@ -129,3 +129,16 @@ def test_an_activation_name_the_rules_do_not_know_fails_the_specs_part():
   rules = tuple(r for r in ENCODER_RULES if r[0] != 'mlp')
   with pytest.raises(ValueError, match=r"logical axes the rules do not know: \['mlp'\]"):
     battery.check_specs(dataclasses.replace(encoder, rules=rules))
+
+
+@pytest.mark.xdist_group('parity-encoder')
+def test_parameters_flattened_in_another_order_are_named():
+  """The encoder's NNX attributes sort otherwise than Linen's module names (`embed` first,
+  `Dense_0` first): harmless with its optimizer, but a reduction over every leaf
+  (optax.clip_by_global_norm) would round differently, so a failing update names it."""
+  from parity import battery
+
+  (line,) = battery._runs(encoder).parameter_order_lines()
+  assert line.startswith('the sides flatten their parameters in different orders (parameter 0:'
+                         ' Linen params/Dense_0/bias, NNX params/Embed_0/embedding)'), line
+  assert 'optax.clip_by_global_norm' in line

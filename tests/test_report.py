@@ -448,6 +448,52 @@ def test_a_declared_program_difference_does_not_excuse_a_memory_difference():
   assert moved.expected_difference is not None and not moved.same_program
 
 
+@pytest.mark.parametrize('nnx_change,admitted', [
+    (dict(temp_bytes=74, peak_bytes=274), True),  # +64 B of temporaries: the bound
+    (dict(temp_bytes=-54, peak_bytes=146), True),  # -64 B
+    (dict(temp_bytes=75, peak_bytes=275), False),  # one byte over
+    (dict(argument_bytes=104, temp_bytes=6, peak_bytes=210), False),  # the state's bytes moved
+], ids=['plus_the_bound', 'minus_the_bound', 'over_the_bound', 'arguments_differ'])
+def test_a_declared_memory_difference_admits_temporaries_within_its_bound(nnx_change, admitted):
+  """Declared beside 'program', 'memory' lets temporaries (and so the peak) differ by at most
+  `max_temp_bytes` each; arguments, outputs and aliased bytes stay equal to the byte."""
+  from parity.adapter import KnownDifference
+
+  declared = KnownDifference(('LayerNorm_0',), ('program', 'memory'), 'lowers differently',
+                             max_changed_lines=10, max_temp_bytes=64)
+  memory = dict(argument_bytes=100, output_bytes=100, temp_bytes=10, alias_bytes=0, peak_bytes=210)
+  result = runner.CompareResult(
+      3, 'linen', runner.SideRun(memory=memory), runner.SideRun(memory=dict(memory, **nnx_change)), None, [],
+      declared_program_difference=declared,
+      program_diff=programs.ProgramDiff(False, 1, 10, 10, 4, '-a\n+b'),
+      program_diff_outside=programs.ProgramDiff(True, None, 8, 8, 0, ''),
+  )
+  assert runner.declared_memory_admits(declared, memory, result.nnx.memory) is admitted
+  assert result.same_program is admitted
+  assert result.memory_verdict.startswith('differs within the declared bound' if admitted else 'differs (NNX')
+  # The same numbers without 'memory' in the declaration: not admitted.
+  program_only = dataclasses.replace(declared, passes=('program',))
+  assert not runner.declared_memory_admits(program_only, memory, result.nnx.memory)
+  assert not dataclasses.replace(result, declared_program_difference=program_only).same_program
+
+
+@pytest.mark.parametrize('kwargs,message', [
+    (dict(passes=('program', 'bogus')), r"passes \['bogus'\]: not passes the battery knows"),
+    (dict(passes=('forwards',)), r"passes \['forwards'\]"),
+    (dict(passes='program'), r'passes: a non-empty tuple of strings'),
+    (dict(passes=()), r'passes: a non-empty tuple of strings'),
+    (dict(paths='LayerNorm_0'), r'paths: a non-empty tuple of strings'),
+    (dict(passes=('memory',)), r"'memory' only beside 'program'"),
+], ids=['unknown', 'misspelt', 'a_string', 'none', 'paths_a_string', 'memory_alone'])
+def test_a_declaration_the_battery_cannot_apply_is_an_error(kwargs, message):
+  """A misspelt pass would otherwise be accepted and never applied."""
+  from parity.adapter import KnownDifference
+
+  args = dict(paths=('LayerNorm_0',), passes=('program',), reason='r') | kwargs
+  with pytest.raises(ValueError, match=message):
+    KnownDifference(**args)
+
+
 @pytest.mark.parametrize('changed,outside_identical,why', [
     (12, True, 'over the declared bound of 10 lines'),
     (4, False, 'different outside the declared modules'),
