@@ -188,6 +188,29 @@ def test_compare_out_of_memory_is_one_line_exit_2(capsys, monkeypatch):
   assert '--scenario 04_remat' in err and '--mesh' in err
 
 
+@pytest.mark.parametrize('option', [['--preset', 'tiny'], ['--scenario', '04_remat']])
+def test_compare_of_a_pair_refuses_the_decoders_options(option, capsys):
+  """A pair brings its own model and data: a --preset or --scenario would be ignored."""
+  pair = 'tests/test_family_classifier.py:classifier'
+  assert cli.main(['compare', '--pair', pair, '--steps', '1', *option]) == 2
+  err = capsys.readouterr().err
+  assert err.count('\n') == 1 and "choose the reference decoder's configuration" in err
+
+
+def test_compare_of_a_batch_the_mesh_cannot_split_is_a_usage_error(monkeypatch, capsys):
+  """Exit 2 with the side's one-line message, not a traceback from inside jax."""
+  from parity import adapter, runner
+
+  def unsplittable(*args, **kwargs):
+    raise adapter.BatchError("batch entry 'images' (float32[6, 8, 8, 3]) has 6 rows: ...")
+
+  monkeypatch.setattr(runner, 'compare_sides', unsplittable)
+  pair = 'tests/test_family_classifier.py:classifier'
+  assert cli.main(['compare', '--pair', pair, '--steps', '1']) == 2
+  err = capsys.readouterr().err
+  assert err.count('\n') == 1 and "has 6 rows" in err and 'Traceback' not in err
+
+
 def test_compare_other_errors_are_not_called_out_of_memory(monkeypatch):
   from parity import runner
 

@@ -448,6 +448,27 @@ def test_a_declared_program_difference_does_not_excuse_a_memory_difference():
   assert moved.expected_difference is not None and not moved.same_program
 
 
+@pytest.mark.parametrize('changed', [4, 12], ids=['admitted', 'over_the_bound'])
+def test_the_text_report_prints_the_program_diff_unless_a_declaration_admits_it(changed):
+  """An admitted difference is a summary line (the diff stays in --json and --markdown);
+  one the declaration does not admit is printed in full."""
+  from parity.adapter import KnownDifference
+
+  declared = KnownDifference(('LayerNorm_0',), ('program',), 'lowers differently', max_changed_lines=10)
+  memory = dict(argument_bytes=100, output_bytes=100, temp_bytes=10, alias_bytes=0, peak_bytes=210)
+  result = runner.CompareResult(
+      3, 'linen', runner.SideRun(memory=memory), runner.SideRun(memory=dict(memory)), None, [],
+      declared_program_difference=declared,
+      program_diff=programs.ProgramDiff(False, 1, 10, 10, changed, '-a line of the diff\n+b'),
+      program_diff_outside=programs.ProgramDiff(True, None, 8, 8, 0, ''),
+  )
+  r = report.Report(result, 'pair x', '-', None)
+  printed = '-a line of the diff' in r.text()
+  assert printed is (changed > 10)
+  assert ('the 4 changed lines are in the --json and --markdown outputs' in r.text()) is (changed <= 10)
+  assert '-a line of the diff' in r.markdown()
+
+
 @pytest.mark.parametrize('nnx_change,admitted', [
     (dict(temp_bytes=74, peak_bytes=274), True),  # +64 B of temporaries: the bound
     (dict(temp_bytes=-54, peak_bytes=146), True),  # -64 B
