@@ -144,7 +144,8 @@ def _runs(pair: adapter.Pair) -> _Runs:
   return _Runs(pair)
 
 
-def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping[str, Any], what: str) -> list[str]:
+def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping[str, Any], what: str,
+            labels: tuple[str, str] = ('Linen', 'NNX')) -> list[str]:
   """Bitwise, except declared differences, which must hold their bound.
 
   Returns one line per declared difference seen (with its measured ULP);
@@ -165,7 +166,8 @@ def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping
   if problems:
     more = [f'... and {len(problems) - 50} more'] if len(problems) > 50 else []
     raise AssertionError(
-        f'{pair.name}: {what} are not bit-identical: {len(problems)} leaf/leaves differ\n  '
+        f'{pair.name}: {what} are not bit-identical: {len(problems)} leaf/leaves differ'
+        f' (values: {labels[0]} vs {labels[1]})\n  '
         + '\n  '.join(problems[:50] + more)
     )
   return seen
@@ -311,7 +313,8 @@ def check_resume(pair: adapter.Pair, direction: str) -> None:
     metrics.append(dict(m))
   ref_metrics, ref_final, _ = runs.trajectory(src_name, 'linen')
   compare(pair, 'train', {**per_step(ref_metrics), **ref_final}, {**per_step(metrics), **dst.to_checkpoint(state)},
-          f'resume {direction} at step {half} vs an uninterrupted {src_name} run')
+          f'resume {direction} at step {half} vs an uninterrupted {src_name} run',
+          labels=(f'uninterrupted {src_name}', f'resumed in {dst_name}'))
 
 
 def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
@@ -410,10 +413,15 @@ def check_program(pair: adapter.Pair) -> list[str]:
     return [f'{d.changed_lines} canonical lines (declared bound {known.max_changed_lines},'
             f' {", ".join(known.paths)}: {known.reason}); identical outside those modules']
   if known is None or d.changed_lines > known.max_changed_lines:
+    where = ''
+    if outside is not None:
+      where = ('; identical outside those modules: the declared modules changed more than the bound'
+               if outside.identical else f'; outside those modules too: {outside.summary()}')
     raise AssertionError(
         f'{pair.name}: {d.summary()}'
         + ('' if known is None else
-           f' (declared bound {known.max_changed_lines} lines in {", ".join(known.paths)}: {known.reason})')
+           f' (declared bound {known.max_changed_lines} lines in {", ".join(known.paths)}:'
+           f' {known.reason}{where})')
         + f'\n{d.diff}'
     )
   raise AssertionError(

@@ -93,6 +93,23 @@ def test_a_declared_program_difference_covers_only_its_modules():
 
 
 @pytest.mark.xdist_group('parity-classifier')
+@pytest.mark.parametrize('paths,where', [
+    (('BatchNorm_0', 'BatchNorm_1'), 'identical outside those modules: the declared modules changed more than the bound'),
+    (('BatchNorm_0',), 'outside those modules too: programs differ'),
+], ids=['inside_the_modules', 'outside_them_too'])
+def test_a_program_over_its_declared_bound_says_where_it_differs(paths, where):
+  """Over the bound, the failure says whether the declared modules alone changed more
+  (a bound to revisit) or the program differs outside them as well (a bug to find)."""
+  from parity import battery
+
+  tight = dataclasses.replace(BATCH_NORM_PROGRAM, paths=paths, max_changed_lines=10)
+  with pytest.raises(AssertionError, match='over|differ') as e:
+    battery.check_program(dataclasses.replace(classifier, known_differences=(tight,)))
+  assert f'(declared bound 10 lines in {", ".join(paths)}: ' in str(e.value)
+  assert where in str(e.value).splitlines()[0], str(e.value).splitlines()[0]
+
+
+@pytest.mark.xdist_group('parity-classifier')
 def test_the_memory_check_fails_when_nothing_is_measured(monkeypatch):
   """A backend without XLA's memory analysis gives no fields: the check says so, never passes."""
   from parity import battery

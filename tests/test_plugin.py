@@ -81,7 +81,7 @@ def test_a_broken_pair_fails_with_the_bitwise_report_and_the_localizer(user_proj
   result.assert_outcomes(passed=3, failed=1)  # the README's pair passes both parts
   assert '<property name="declared_differences" value="[]"' in (user_project.path / 'report.xml').read_text()
   result.stdout.fnmatch_lines([
-      '*broken: loss and gradients are not bit-identical*',
+      '*broken: loss and gradients are not bit-identical*(values: Linen vs NNX)',
       '*params/Dense_0/kernel: bits: float32*max ULP distance*',
       '*localizer (step 0, train mode):*',
       '*forward pass: first differs at module Dropout_0*',
