@@ -144,6 +144,12 @@ def _runs(pair: adapter.Pair) -> _Runs:
   return _Runs(pair)
 
 
+def _battery_frames_hidden(excinfo) -> bool:
+  """pytest's `__tracebackhide__` filter for the checks: a failure's frames inside the
+  battery are not shown (its message names what differs); a crash's are."""
+  return excinfo.errisinstance(AssertionError)
+
+
 def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping[str, Any], what: str,
             labels: tuple[str, str] = ('Linen', 'NNX')) -> list[str]:
   """Bitwise, except declared differences, which must hold their bound.
@@ -151,6 +157,7 @@ def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping
   Returns one line per declared difference seen (with its measured ULP);
   raises AssertionError listing everything else that differs.
   """
+  __tracebackhide__ = _battery_frames_hidden
   seen, problems = [], []
   for d in bitwise.compare_trees(dict(a), dict(b)):
     known = pair.known(d.path, pass_name) if d.kind == 'bits' else None
@@ -198,6 +205,7 @@ def first_divergent_step(a: list[Mapping[str, Any]], b: list[Mapping[str, Any]])
 
 
 def check_structure(pair: adapter.Pair) -> None:
+  __tracebackhide__ = _battery_frames_hidden
   linen, nnx_side = _runs(pair).sides()
   paths.check_leaves(
       f'{pair.name}: NNX state vs Linen state (checkpoint layout)',
@@ -215,6 +223,7 @@ def check_specs(pair: adapter.Pair) -> list[str]:
   dtypes and logical names. The model methods applying them may be named
   differently on each side. Returns a line saying how many were compared.
   """
+  __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   linen, nnx_side = runs.sides()
   specs_lib.check_no_drift(linen.param_specs(), nnx_side.param_specs(), f'{pair.name} parameters')
@@ -243,6 +252,7 @@ def _rules(pair: adapter.Pair, side: adapter.Side, default):
 
 
 def check_grads(pair: adapter.Pair) -> list[str]:
+  __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   start = runs.start('linen')
   key = rng.step_key(runs.dropout_base(), 0, 0)
@@ -257,6 +267,7 @@ def check_grads(pair: adapter.Pair) -> list[str]:
 
 
 def check_train(pair: adapter.Pair, init_side: str) -> list[str]:
+  __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   (ma, fa, _), (mb, fb, _) = (runs.trajectory(s, init_side) for s in ('linen', 'nnx'))
   try:
@@ -267,6 +278,7 @@ def check_train(pair: adapter.Pair, init_side: str) -> list[str]:
 
 
 def check_eval(pair: adapter.Pair) -> list[str]:
+  __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   out = {}
   for side in runs.sides():
@@ -276,6 +288,7 @@ def check_eval(pair: adapter.Pair) -> list[str]:
 
 
 def check_checkpoint(pair: adapter.Pair, direction: str) -> None:
+  __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   src_name, dst_name = direction.split('->')
   src, dst = runs.side(src_name), runs.side(dst_name)
@@ -294,6 +307,7 @@ def check_checkpoint(pair: adapter.Pair, direction: str) -> None:
 
 def check_resume(pair: adapter.Pair, direction: str) -> None:
   """Train on one side, save half-way, restore into the other, finish: same as never stopping."""
+  __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   src_name, dst_name = direction.split('->')
   src, dst = runs.side(src_name), runs.side(dst_name)
@@ -323,6 +337,7 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
   The placement is checked first: a parameter sharded otherwise on one side
   is the cause of the few-ULP differences it makes in the numbers.
   """
+  __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   (ma, fa, _), (mb, fb, _) = (runs.trajectory(s, 'linen', mesh_spec) for s in ('linen', 'nnx'))
   linen, nnx_side = runs.sides(mesh_spec)
@@ -376,6 +391,7 @@ def _off_their_rules(pair: adapter.Pair, side: adapter.Side, flat: Mapping[str, 
 
 
 def check_memory(pair: adapter.Pair) -> list[str]:
+  __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   device = jax.devices()[0]
   mem = [runs.compiled(s).memory(device) for s in ('linen', 'nnx')]
@@ -401,6 +417,7 @@ def check_memory(pair: adapter.Pair) -> list[str]:
 
 def check_program(pair: adapter.Pair) -> list[str]:
   """Canonical programs identical, or within the pair's declared program difference."""
+  __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   linen, nnx_ = runs.compiled('linen'), runs.compiled('nnx')
   d = runner.program_diff_of(linen, nnx_)
@@ -438,6 +455,7 @@ def check_localize(pair: adapter.Pair) -> list[str]:
   pass, within its ULP bound; a backward divergence may only touch
   parameters declared for 'grads'.
   """
+  __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   result = runs.localization()
   # Not vacuous: every module call and parameter gradient is compared.

@@ -103,6 +103,7 @@ def bitwise_equal(a: Any, b: Any) -> bool:
 
 def assert_bitwise_equal(a: Any, b: Any, what: str = 'trees') -> None:
   """Raises AssertionError listing every differing leaf of `a` vs `b`."""
+  __tracebackhide__ = True  # pytest shows the caller's line and this message, not this frame
   diffs = compare_trees(a, b)
   if diffs:
     lines = [f'{what} are not bit-identical: {len(diffs)} leaf/leaves differ']
