@@ -230,6 +230,9 @@ class Localization:
   compared_grads: int = 0  # parameter gradients found on both sides
   only_linen_grads: list[str] = dataclasses.field(default_factory=list)
   only_nnx_grads: list[str] = dataclasses.field(default_factory=list)
+  # The first place the module calls found on both sides come in another order:
+  # (index among them, Linen's call there, NNX's call there); None: the same order.
+  order_difference: tuple[int, str, str] | None = None
 
   def first(self, step: int | None = None) -> dict[str, Any] | None:
     """The first divergent module: `{step, path, layer, pass, max_ulp}` (None: none found).
@@ -274,6 +277,10 @@ class Localization:
     if not self.backward:
       out.append('backward pass: every parameter gradient bitwise equal'
                  if self.forward is None else 'backward pass: not localized (the forward differs)')
+    if self.order_difference is not None:
+      i, a, b = self.order_difference
+      out.append(f'module calls in another order: call {i} of those on both sides is {a} in Linen,'
+                 f' {b} in NNX (a rename rule that maps an NNX module to another Linen path reads so)')
     if self.only_linen or self.only_nnx:
       out.append(f'unmatched module calls: linen {self.only_linen}, nnx {self.only_nnx}'
                  ' (add rename rules to compare them)')
@@ -334,6 +341,9 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
     return d is not None
 
   common = [k for k in linen.order if k in set(nnx_probe.order)]
+  nnx_common = [k for k in nnx_probe.order if k in set(linen.order)]
+  order_difference = next(
+      ((i, a, b) for i, (a, b) in enumerate(zip(common, nnx_common)) if a != b), None)
   forward_call = None
   for call in common:
     subs = [k for k in linen.outputs if k.split(':')[0] == call]
@@ -393,6 +403,7 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       compared_grads=sum(p in nnx_probe.param_grads for p in linen.param_grads),
       only_linen_grads=[p for p in linen.param_grads if p not in nnx_probe.param_grads],
       only_nnx_grads=[p for p in nnx_probe.param_grads if p not in linen.param_grads],
+      order_difference=order_difference,
   )
 
 

@@ -157,6 +157,23 @@ def test_backward_breaks_at_one_depth_are_named_in_the_backward_pass_order():
   assert result.first(0)['path'] == 'dense_2'
 
 
+def test_module_calls_in_another_order_are_named():
+  """A rename rule that maps an NNX module to another Linen path (two layer norms swapped)
+  shows as calls in another order; the same order says nothing."""
+  from parity import adapter
+
+  def probe(order):
+    return adapter.Probe(order=order, inputs={}, outputs={k: jnp.zeros(3) for k in order},
+                         cotangents={}, param_grads={})
+
+  result = localize.localize(probe(['a', 'b', 'c', 'd']), probe(['a', 'c', 'b', 'd']))
+  assert result.order_difference == (1, 'b', 'c')
+  assert ('module calls in another order: call 1 of those on both sides is b in Linen, c in NNX'
+          in '\n'.join(result.lines()))
+  same = localize.localize(probe(['a', 'b', 'c', 'd']), probe(['a', 'b', 'c', 'd']))
+  assert same.order_difference is None and not any('order' in line for line in same.lines())
+
+
 # ---------------------------------------------------------------------------
 # One planted bug per stock-layer family, and the stock attention difference
 # ---------------------------------------------------------------------------
