@@ -72,8 +72,10 @@ def pytest_configure(config):
   # Known to pytest-xdist; registered here too so runs without it stay strict-marker clean.
   config.addinivalue_line('markers', 'xdist_group(name): tests that share one xdist worker')
   parts = config.getoption('parity_parts')
-  if parts:
-    unknown = sorted(set(parts.split(',')) - set(PARTS))
+  if parts is not None:
+    if not _part_names(parts):
+      raise pytest.UsageError(f'--parity-parts: no part named; parts: {", ".join(battery.PARTS)}')
+    unknown = sorted(_part_names(parts) - set(PARTS))
     if unknown:
       raise pytest.UsageError(f'--parity-parts: unknown part(s) {unknown}; parts: {", ".join(battery.PARTS)}')
   meshes = config.getoption('parity_mesh')
@@ -86,6 +88,11 @@ def pytest_configure(config):
       raise pytest.UsageError(
           f'--parity-mesh: {meshes} take {sorted(counts)} devices; a mesh spans every device,'
           ' so one run takes meshes of one size')
+
+
+def _part_names(option: str) -> set[str]:
+  """The parts an option value such as 'grads,train' names (spaces and empty names dropped)."""
+  return {p.strip() for p in option.split(',') if p.strip()}
 
 
 def _device_count(spec: str) -> int:
@@ -181,7 +188,7 @@ class PairClass(pytest.Class):
 
   def collect(self):
     parts = self.config.getoption('parity_parts')
-    wanted = set(parts.split(',')) if parts else set(PARTS)
+    wanted = _part_names(parts) if parts is not None else set(PARTS)
     declared = self.obj.pair.parts
     if declared is not None:
       # A misspelt part would otherwise leave the pair with fewer tests, or none, silently.

@@ -90,10 +90,14 @@ def test_a_broken_pair_fails_with_the_bitwise_report_and_the_localizer(user_proj
   result.stdout.no_fnmatch_line('*raise _with_localization*')
 
 
-def test_an_unknown_part_is_a_usage_error(user_project):
-  result = user_project.runpytest_subprocess('--parity-parts=structure,bogus', '-p', 'no:cacheprovider')
+@pytest.mark.parametrize('option,message', [
+    ('structure,bogus', "unknown part(s) ?'bogus'?"),
+    ('', 'no part named'),  # would otherwise run every part
+], ids=['unknown', 'empty'])
+def test_an_unknown_part_is_a_usage_error(user_project, option, message):
+  result = user_project.runpytest_subprocess(f'--parity-parts={option}', '-p', 'no:cacheprovider')
   assert result.ret == pytest.ExitCode.USAGE_ERROR
-  result.stderr.fnmatch_lines(['ERROR: --parity-parts: unknown part(s) ?\'bogus\'?; parts: structure, *'])
+  result.stderr.fnmatch_lines([f'ERROR: --parity-parts: {message}; parts: structure, *'])
 
 
 @pytest.mark.parametrize('parts', ["'grads'", "('grad', 'train')"], ids=['a_string', 'a_misspelt_name'])
