@@ -103,6 +103,8 @@ class CompareResult:
   # With a declared program difference: the diff with its modules' operations
   # left out, which must be identical (None: not declared, or nothing differs).
   program_diff_outside: programs.ProgramDiff | None = None
+  # Elements of the state's `params/` leaves (a pair's count; the decoder's comes from its config).
+  parameters: int | None = None
   # The lowered train steps, {'linen': text, 'nnx': text} (not in the JSON).
   program_texts: dict[str, str] | None = dataclasses.field(default=None, repr=False)
 
@@ -198,7 +200,7 @@ class CompareResult:
 
   @property
   def param_count(self) -> int | None:
-    return None if self.model_cfg is None else self.model_cfg.param_count()
+    return self.parameters if self.model_cfg is None else self.model_cfg.param_count()
 
   def side(self, name: str) -> SideRun:
     return {'linen': self.linen, 'nnx': self.nnx}[name]
@@ -668,8 +670,15 @@ def compare_sides(
       localizer=None if localized is None else localized[1],
       program_diff=diff,
       program_diff_outside=outside,
+      parameters=_parameters(finals[0]),
       program_texts={name: compiled[name].text for name in SIDES},
   )
+
+
+def _parameters(flat: dict[str, Any]) -> int | None:
+  """Elements of a state's parameters (checkpoint layout: `params/...`); None if it names none."""
+  sizes = [int(np.prod(np.shape(x))) for p, x in flat.items() if p.startswith('params/')]
+  return sum(sizes) if sizes else None
 
 
 def _localize(sides, divergence, dropout_base, say) -> tuple[dict | None, list[str]]:

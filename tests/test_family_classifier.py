@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
+import jax
 import pytest
 
 from bridge.stock import Renames
@@ -86,6 +88,9 @@ def test_a_declared_program_difference_covers_only_its_modules():
       declared_program_difference=only_first, localize_divergence=False,
   )
   assert result.bitwise_equal
+  # The report counts the pair's parameters (the Linen state's `params`).
+  linen = classifier.make_sides(None)[0]
+  assert result.param_count == sum(math.prod(x.shape) for x in jax.tree.leaves(linen.template.params)) > 0
   assert result.program_diff.changed_lines <= only_first.max_changed_lines
   assert not result.program_diff_outside.identical
   assert result.expected_difference is None and not result.same_program
