@@ -429,21 +429,33 @@ def test_progress_bar_on_a_terminal_and_plain_lines_otherwise():
       ]
 
 
+MEMORY = dict(argument_bytes=100, output_bytes=100, temp_bytes=10, alias_bytes=0, peak_bytes=210)
+
+
+def _declared_run(passes=('program',), changed=4, outside_identical=True, nnx_memory=None,
+                  diff='-a\n+b', max_temp_bytes=0):
+  """A 3-step comparison whose programs differ by `changed` canonical lines, with a declared
+  program difference (bound 10 lines) on `passes`; Linen's memory is MEMORY."""
+  from parity.adapter import KnownDifference
+
+  declared = KnownDifference(('BatchNorm_0',), passes, 'lowers differently', max_changed_lines=10,
+                             max_temp_bytes=max_temp_bytes)
+  return runner.CompareResult(
+      3, 'linen', runner.SideRun(memory=dict(MEMORY)), runner.SideRun(memory=dict(nnx_memory or MEMORY)),
+      None, [],
+      declared_program_difference=declared,
+      program_diff=programs.ProgramDiff(False, 1, 10, 10, changed, diff),
+      program_diff_outside=programs.ProgramDiff(
+          outside_identical, None, 8, 8, 0 if outside_identical else 2, ''),
+  )
+
+
 def test_a_declared_program_difference_does_not_excuse_a_memory_difference():
   """Within its declared bound and identical outside its modules, a program difference is
   by design; memory is not part of the declaration, and must still be equal to the byte."""
-  from parity.adapter import KnownDifference
-
-  declared = KnownDifference(('BatchNorm_0',), ('program',), 'lowers differently', max_changed_lines=10)
-  memory = dict(argument_bytes=100, output_bytes=100, temp_bytes=10, alias_bytes=0, peak_bytes=210)
-  result = runner.CompareResult(
-      3, 'linen', runner.SideRun(memory=memory), runner.SideRun(memory=dict(memory)), None, [],
-      declared_program_difference=declared,
-      program_diff=programs.ProgramDiff(False, 1, 10, 10, 4, '-a\n+b'),
-      program_diff_outside=programs.ProgramDiff(True, None, 8, 8, 0, ''),
-  )
+  result = _declared_run()
   assert result.expected_difference is not None and result.same_program
-  grown = dict(memory, argument_bytes=4100, peak_bytes=4210)
+  grown = dict(MEMORY, argument_bytes=4100, peak_bytes=4210)
   moved = dataclasses.replace(result, nnx=dataclasses.replace(result.nnx, memory=grown))
   assert moved.expected_difference is not None and not moved.same_program
 
@@ -452,17 +464,7 @@ def test_a_declared_program_difference_does_not_excuse_a_memory_difference():
 def test_the_text_report_prints_the_program_diff_unless_a_declaration_admits_it(changed):
   """An admitted difference is a summary line (the diff stays in --json and --markdown);
   one the declaration does not admit is printed in full."""
-  from parity.adapter import KnownDifference
-
-  declared = KnownDifference(('LayerNorm_0',), ('program',), 'lowers differently', max_changed_lines=10)
-  memory = dict(argument_bytes=100, output_bytes=100, temp_bytes=10, alias_bytes=0, peak_bytes=210)
-  result = runner.CompareResult(
-      3, 'linen', runner.SideRun(memory=memory), runner.SideRun(memory=dict(memory)), None, [],
-      declared_program_difference=declared,
-      program_diff=programs.ProgramDiff(False, 1, 10, 10, changed, '-a line of the diff\n+b'),
-      program_diff_outside=programs.ProgramDiff(True, None, 8, 8, 0, ''),
-  )
-  r = report.Report(result, 'pair x', '-', None)
+  r = report.Report(_declared_run(changed=changed, diff='-a line of the diff\n+b'), 'pair x', '-', None)
   printed = '-a line of the diff' in r.text()
   assert printed is (changed > 10)
   assert ('the 4 changed lines are in the --json and --markdown outputs' in r.text()) is (changed <= 10)
@@ -478,23 +480,14 @@ def test_the_text_report_prints_the_program_diff_unless_a_declaration_admits_it(
 def test_a_declared_memory_difference_admits_temporaries_within_its_bound(nnx_change, admitted):
   """Declared beside 'program', 'memory' lets temporaries (and so the peak) differ by at most
   `max_temp_bytes` each; arguments, outputs and aliased bytes stay equal to the byte."""
-  from parity.adapter import KnownDifference
-
-  declared = KnownDifference(('LayerNorm_0',), ('program', 'memory'), 'lowers differently',
-                             max_changed_lines=10, max_temp_bytes=64)
-  memory = dict(argument_bytes=100, output_bytes=100, temp_bytes=10, alias_bytes=0, peak_bytes=210)
-  result = runner.CompareResult(
-      3, 'linen', runner.SideRun(memory=memory), runner.SideRun(memory=dict(memory, **nnx_change)), None, [],
-      declared_program_difference=declared,
-      program_diff=programs.ProgramDiff(False, 1, 10, 10, 4, '-a\n+b'),
-      program_diff_outside=programs.ProgramDiff(True, None, 8, 8, 0, ''),
-  )
-  assert runner.declared_memory_admits(declared, memory, result.nnx.memory) is admitted
+  result = _declared_run(('program', 'memory'), nnx_memory=dict(MEMORY, **nnx_change), max_temp_bytes=64)
+  declared = result.declared_program_difference
+  assert runner.declared_memory_admits(declared, MEMORY, result.nnx.memory) is admitted
   assert result.same_program is admitted
   assert result.memory_verdict.startswith('differs within the declared bound' if admitted else 'differs (NNX')
   # The same numbers without 'memory' in the declaration: not admitted.
   program_only = dataclasses.replace(declared, passes=('program',))
-  assert not runner.declared_memory_admits(program_only, memory, result.nnx.memory)
+  assert not runner.declared_memory_admits(program_only, MEMORY, result.nnx.memory)
   assert not dataclasses.replace(result, declared_program_difference=program_only).same_program
 
 
@@ -522,15 +515,6 @@ def test_a_declaration_the_battery_cannot_apply_is_an_error(kwargs, message):
 def test_a_declared_program_difference_excuses_only_what_it_declares(changed, outside_identical, why):
   """The runner applies the battery's rule (KnownDifference.admits_program): a program over
   the bound, or different outside the declared modules, is not the same program."""
-  from parity.adapter import KnownDifference
-
-  declared = KnownDifference(('BatchNorm_0',), ('program',), 'lowers differently', max_changed_lines=10)
-  memory = dict(argument_bytes=100, output_bytes=100, temp_bytes=10, alias_bytes=0, peak_bytes=210)
-  result = runner.CompareResult(
-      3, 'linen', runner.SideRun(memory=memory), runner.SideRun(memory=dict(memory)), None, [],
-      declared_program_difference=declared,
-      program_diff=programs.ProgramDiff(False, 1, 10, 10, changed, '-a\n+b'),
-      program_diff_outside=programs.ProgramDiff(outside_identical, None, 8, 8, 0 if outside_identical else 2, ''),
-  )
+  result = _declared_run(changed=changed, outside_identical=outside_identical)
   assert result.expected_difference is None, why
   assert not result.same_program, why
