@@ -89,7 +89,9 @@ class Probe:
   """What the localizer compares, keyed by module path in the checkpoint naming.
 
   `order` lists module calls in forward execution order (`path#call` when a
-  module runs more than once).
+  module runs more than once); `unrecorded`, the modules called inside a
+  transformed body (a Linen `nn.scan` or `nn.remat` stack), whose values
+  cannot leave it.
   """
 
   order: list[str]
@@ -97,6 +99,7 @@ class Probe:
   outputs: Flat
   cotangents: Flat
   param_grads: Flat  # checkpoint path of a parameter -> gradient
+  unrecorded: tuple[str, ...] = ()
 
 
 # What a KnownDifference may declare: values of a pass ('grads', 'train',

@@ -101,7 +101,7 @@ class _Runs:
     try:
       result = self.localization(step, init_side)
     except Exception as e:  # the localizer must never hide the failure it explains
-      return [f'localizer failed: {type(e).__name__}: {e}']
+      return [f'localizer failed: {type(e).__name__}: {e}'] + self.parameter_order_lines()
     lines = result.lines()
     if result.first(step) is None:
       lines.append('both passes are bitwise from the same state: the difference is in what the'

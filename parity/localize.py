@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.core import tracers
 
 from bridge import paths
 from parity import adapter, bitwise, scopes
@@ -86,12 +87,22 @@ def _flat_outputs(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _linen_intercept(recorder: _Recorder):
+def _linen_intercept(recorder: _Recorder, unrecorded: list[str]):
+  """Records each module's `__call__`, except inside a lifted transform's body (`nn.scan`,
+  `nn.remat`, ...): its values are the body's tracers, which cannot leave it (their paths
+  go to `unrecorded`; the transformed module's own call, outside, is recorded)."""
+  outer = tracers.current_trace()
+
   def interceptor(next_fun, args, kwargs, context):
     y = next_fun(*args, **kwargs)
     if context.method_name != '__call__':
       return y
-    return recorder.record('/'.join(context.module.path), y, args)
+    path = '/'.join(context.module.path)
+    if tracers.current_trace() != outer:
+      if path not in unrecorded:
+        unrecorded.append(path)
+      return y
+    return recorder.record(path, y, args)
 
   with nn.intercept_methods(interceptor):
     yield
@@ -102,17 +113,20 @@ def linen_probe(loss: Callable, has_aux: bool, state: Any, batch: Any, dropout_k
 
   def traced(params, probes, state, batch, dropout_key):
     recorder = _Recorder(probes)
-    with _linen_intercept(recorder):
+    unrecorded.clear()
+    with _linen_intercept(recorder, unrecorded):
       value = loss(params, state, batch, dropout_key)
     value = value[0] if has_aux else value
     order[:] = recorder.order
     return value, (recorder.outputs, recorder.inputs)
 
   order: list[str] = []
-  return _probe(
+  unrecorded: list[str] = []
+  probe = _probe(
       traced, order, state.params, (state, batch, dropout_key),
       lambda p: {'params/' + k: g for k, g in paths.flatten(p).items()},
   )
+  return dataclasses.replace(probe, unrecorded=tuple(unrecorded))
 
 
 # ---------------------------------------------------------------------------
@@ -233,6 +247,7 @@ class Localization:
   # The first place the module calls found on both sides come in another order:
   # (index among them, Linen's call there, NNX's call there); None: the same order.
   order_difference: tuple[int, str, str] | None = None
+  unrecorded: tuple[str, ...] = ()  # Linen modules called inside a transformed body (adapter.Probe)
 
   def first(self, step: int | None = None) -> dict[str, Any] | None:
     """The first divergent module: `{step, path, layer, pass, max_ulp}` (None: none found).
@@ -281,6 +296,11 @@ class Localization:
       i, a, b = self.order_difference
       out.append(f'module calls in another order: call {i} of those on both sides is {a} in Linen,'
                  f' {b} in NNX (a rename rule that maps an NNX module to another Linen path reads so)')
+    if self.unrecorded:
+      shown = ', '.join(self.unrecorded[:5]) + (f' and {len(self.unrecorded) - 5} more' if len(self.unrecorded) > 5 else '')
+      out.append(f'not recorded: Linen module calls inside a transformed body (nn.scan, nn.remat),'
+                 f' whose values cannot leave it: {shown}; a difference there shows in the input of'
+                 ' the first recorded call after them, and in their parameters\' gradients')
     if self.only_linen or self.only_nnx:
       out.append(f'unmatched module calls: linen {self.only_linen}, nnx {self.only_nnx}'
                  ' (add rename rules to compare them)')
@@ -404,6 +424,7 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       only_linen_grads=[p for p in linen.param_grads if p not in nnx_probe.param_grads],
       only_nnx_grads=[p for p in nnx_probe.param_grads if p not in linen.param_grads],
       order_difference=order_difference,
+      unrecorded=tuple(linen.unrecorded),
   )
 
 

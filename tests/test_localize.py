@@ -174,6 +174,43 @@ def test_module_calls_in_another_order_are_named():
   assert same.order_difference is None and not any('order' in line for line in same.lines())
 
 
+class _ScannedBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return jnp.tanh(nn.Dense(8)(x)), None
+
+
+class LinenScannedMlp(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(8, name='inp')(x)
+    stack = nn.scan(_ScannedBlock, variable_axes={'params': 0}, split_rngs={'params': True}, length=3)
+    x, _ = stack(name='blocks')(x, None)
+    return nn.Dense(4, name='head')(x)
+
+
+def test_a_linen_scanned_stack_is_probed_around_its_body():
+  """Module calls inside an nn.scan body are the body's tracers: recording them crashed the
+  probe (UnexpectedTracerError). They are listed as not recorded; the calls around the
+  stack and every gradient, the stack's too, are compared."""
+  model = LinenScannedMlp()
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 6)))['params']
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+
+  def loss(params, state, batch, key):
+    return jnp.mean(jnp.square(state.apply_fn({'params': params}, batch['x'])))
+
+  probe = localize.linen_probe(loss, False, state, {'x': jnp.ones((5, 6))}, jax.random.PRNGKey(1))
+  assert probe.order == ['inp', 'head', localize.ROOT]
+  assert probe.unrecorded == ('blocks/Dense_0', 'blocks')
+  assert 'params/blocks/Dense_0/kernel' in probe.param_grads
+  lines = localize.localize(probe, probe).lines()
+  assert lines[:2] == ['forward pass: every module output bitwise equal',
+                       'backward pass: every parameter gradient bitwise equal']
+  assert lines[2].startswith('not recorded: Linen module calls inside a transformed body (nn.scan,'
+                             ' nn.remat), whose values cannot leave it: blocks/Dense_0, blocks;')
+
+
 # ---------------------------------------------------------------------------
 # One planted bug per stock-layer family, and the stock attention difference
 # ---------------------------------------------------------------------------
