@@ -111,6 +111,10 @@ class Report:
     mesh = f'mesh {self.mesh}' if self.mesh else 'one device, no mesh'
     what = (f'preset {self.preset or "?"}, scenario {self.scenario or "?"}'
             if self.scenario != '-' else self.preset)  # '-': a declared pair, named in `preset`
+    if r.first_step:  # resumed: the steps after the checkpoint's, from its state
+      start = (f'steps {r.first_step} to {r.steps - 1} ({r.steps - r.first_step}), resumed from a'
+               f' checkpoint of step {r.first_step - 1}')
+      return f'Linen vs NNX: {what}, {start}, seed {r.seed}, {mesh}'
     return (
         f'Linen vs NNX: {what}, {r.steps} steps, seed {r.seed}, {mesh}; {r.init_side} initialises'
     )
@@ -213,7 +217,7 @@ class Report:
         'Equal bits: every metric the train steps return (the loss and any other), bit for bit.',
         'Step time: from dispatch to the host holding that step\'s loss; the two sides\''
         ' steps interleaved (order alternating); compilation timed apart (step 0 only'
-        ' executes); avg s/step leaves step 0 out.',
+        ' executes); avg and median s/step leave step 0 out.',
         'Tokens/s and TFLOP/s per device use the avg step time; tokens are every'
         ' position of the batch; FLOPs are analytic (parity/flops.py).',
         'Memory: XLA memory analysis of each compiled train step (per device); the verdict'

@@ -66,12 +66,18 @@ class SideRun:
   @property
   def avg_step_s(self) -> float | None:
     """Mean step time; step 0 left out when there are later steps (first-run effects)."""
-    times = self.step_times[1:] or self.step_times
+    times = self._timed_steps
     return float(np.mean(times)) if times else None
 
   @property
   def median_step_s(self) -> float | None:
-    return float(np.median(self.step_times)) if self.step_times else None
+    """Median step time, of the steps the mean takes."""
+    times = self._timed_steps
+    return float(np.median(times)) if times else None
+
+  @property
+  def _timed_steps(self) -> list[float]:
+    return self.step_times[1:] or self.step_times
 
 
 @dataclasses.dataclass
@@ -221,7 +227,8 @@ class CompareResult:
 
   def verdict(self) -> str:
     if self.bitwise_equal:
-      return f'bit-identical ({self.steps} steps: train metrics, final parameters and optimizer state)'
+      ran = self.steps - self.first_step
+      return f'bit-identical ({ran} steps: train metrics, final parameters and optimizer state)'
     if self.first_divergent_step is not None:
       i = self.first_divergent_step - self.first_step
       differing = self.metric_diffs[i] if 0 <= i < len(self.metric_diffs) else []

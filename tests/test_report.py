@@ -460,6 +460,30 @@ def test_a_declared_program_difference_does_not_excuse_a_memory_difference():
   assert moved.expected_difference is not None and not moved.same_program
 
 
+def test_the_average_and_the_median_step_leave_the_first_step_out():
+  """Step 0 carries first-run effects (the run's first execution, a resume's restore):
+  both summaries leave it out, as the report's note says."""
+  run = runner.SideRun(step_times=[9.0, 1.0, 2.0, 6.0])
+  assert (run.avg_step_s, run.median_step_s) == (3.0, 2.0)
+  one = runner.SideRun(step_times=[9.0])
+  assert (one.avg_step_s, one.median_step_s) == (9.0, 9.0)
+
+
+def test_a_resumed_run_is_titled_by_the_steps_it_ran():
+  """`--steps 6 --resume-from` a checkpoint of step 3 runs steps 4 and 5: the title and the
+  verdict say so, not 6 steps from an init."""
+  resumed = dataclasses.replace(_declared_run(changed=0), steps=6, first_step=4, program_diff=None,
+                                declared_program_difference=None)
+  r = report.Report(resumed, 'pair x', '-', None)
+  assert r.title() == ('Linen vs NNX: pair x, steps 4 to 5 (2), resumed from a checkpoint of step 3,'
+                       ' seed 0, one device, no mesh')
+  assert resumed.verdict().startswith('bit-identical (2 steps:')
+  fresh = dataclasses.replace(resumed, first_step=0)
+  assert report.Report(fresh, 'pair x', '-', None).title().endswith('6 steps, seed 0, one device, no mesh;'
+                                                                    ' linen initialises')
+  assert fresh.verdict().startswith('bit-identical (6 steps:')
+
+
 @pytest.mark.parametrize('changed', [4, 12], ids=['admitted', 'over_the_bound'])
 def test_the_text_report_prints_the_program_diff_unless_a_declaration_admits_it(changed):
   """An admitted difference is a summary line (the diff stays in --json and --markdown);
