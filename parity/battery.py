@@ -9,6 +9,7 @@ computed once per process (`_runs`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import tempfile
 from typing import Any, Mapping
@@ -19,6 +20,7 @@ import numpy as np
 
 from bridge import paths
 from bridge import specs as specs_lib
+from bridge.errors import TreeMismatchError
 from models import rng
 from parity import activations, adapter, bitwise, checkpoints, localize, programs, runner
 
@@ -207,10 +209,21 @@ def first_divergent_step(a: list[Mapping[str, Any]], b: list[Mapping[str, Any]])
 def check_structure(pair: adapter.Pair) -> None:
   __tracebackhide__ = _battery_frames_hidden
   linen, nnx_side = _runs(pair).sides()
-  paths.check_leaves(
-      f'{pair.name}: NNX state vs Linen state (checkpoint layout)',
-      linen.abstract_checkpoint(), nnx_side.abstract_checkpoint(),
-  )
+  with _as_failure():
+    paths.check_leaves(
+        f'{pair.name}: NNX state vs Linen state (checkpoint layout)',
+        linen.abstract_checkpoint(), nnx_side.abstract_checkpoint(),
+    )
+
+
+@contextlib.contextmanager
+def _as_failure():
+  """The bridge's TreeMismatchError (every differing path) as the check's failure: an
+  AssertionError with the same message, shown without the bridge's frames."""
+  try:
+    yield
+  except TreeMismatchError as e:
+    raise AssertionError(str(e)) from None
 
 
 def check_specs(pair: adapter.Pair) -> list[str]:
@@ -226,7 +239,8 @@ def check_specs(pair: adapter.Pair) -> list[str]:
   __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   linen, nnx_side = runs.sides()
-  specs_lib.check_no_drift(linen.param_specs(), nnx_side.param_specs(), f'{pair.name} parameters')
+  with _as_failure():
+    specs_lib.check_no_drift(linen.param_specs(), nnx_side.param_specs(), f'{pair.name} parameters')
   rules = _rules(pair, linen, default=specs_lib.DEFAULT_RULES)
   start = runs.start('linen')
   tables = [

@@ -181,3 +181,21 @@ def test_a_batch_the_mesh_cannot_split_is_a_clear_error():
       side.place_batch(batch)
   full = classifier_batch(CFG, 0, 'train')  # 8 rows: placed, one row per device
   assert {k: v.sharding.shard_shape(v.shape)[0] for k, v in linen.place_batch(full).items()} == dict.fromkeys(full, 1)
+
+
+def test_a_structure_mismatch_is_a_failure_naming_every_path():
+  """A rename rule missing (the head): the structure part fails as an assertion, naming the
+  paths on both sides, not with the bridge's TreeMismatchError from inside the tool."""
+  from parity import battery
+
+  def make_broken(mesh):
+    linen, nnx_side = make_sides(CFG, mesh)
+    rules = tuple(r for r in RENAMES.rules if r[0] != 'Dense_0')
+    return linen, dataclasses.replace(nnx_side, renames=Renames(rules))
+
+  broken = Pair('missing_rename', make_broken, functools.partial(classifier_batch, CFG))
+  with pytest.raises(AssertionError) as e:
+    battery.check_structure(broken)
+  message = str(e.value)
+  assert message.startswith('missing_rename: NNX state vs Linen state (checkpoint layout):')
+  assert 'params/Dense_0/kernel: missing' in message and 'params/head/kernel: extra' in message
