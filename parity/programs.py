@@ -896,8 +896,11 @@ def loop_carries(text: str) -> list[list[str]]:
   return [_split_top_level(m.group(1).strip()) for m in _WHILE_TYPES.finditer(text)]
 
 
-def loop_order_difference(linen_text: str, nnx_text: str) -> str:
+def loop_order_difference(linen_text: str, nnx_text: str, reorder_only: bool = False) -> str:
   """'' when both programs' loops carry the same types in the same order; else where they differ.
+
+  `reorder_only`: only a loop carrying the same values in another order is
+  reported (programs that differ otherwise too may still show that one).
 
   Loops are paired by what they carry, not by their place in the text: the
   two sides may print their private functions, and so their loops, in
@@ -907,7 +910,7 @@ def loop_order_difference(linen_text: str, nnx_text: str) -> str:
   """
   a, b = loop_carries(linen_text), loop_carries(nnx_text)
   if len(a) != len(b):
-    return f'Linen has {len(a)} loops, NNX {len(b)}'
+    return '' if reorder_only else f'Linen has {len(a)} loops, NNX {len(b)}'
   unpaired_nnx = list(enumerate(b))
   unpaired_linen = []
   for k, x in enumerate(a):
@@ -921,7 +924,7 @@ def loop_order_difference(linen_text: str, nnx_text: str) -> str:
   k, x = unpaired_linen[0]
   same_types = [(m, y) for m, y in unpaired_nnx if sorted(y) == sorted(x)]
   if not same_types:
-    return f'loop {k} (of {len(a)}, in program order) carries other types'
+    return '' if reorder_only else f'loop {k} (of {len(a)}, in program order) carries other types'
   m, y = same_types[0]
   where = (
       f'loop {k} (of {len(a)}, in program order) carries' if m == k
@@ -952,6 +955,8 @@ class ProgramDiff:
   first_nnx: str = ''
   allowed: list[str] = dataclasses.field(default_factory=list)  # names of ALLOWED entries applied
   loop_order: str = ''  # `loop_order_difference` where the canonical programs are identical
+  # Where they differ: a loop carrying the same values in another order, if one does.
+  loop_reorder: str = ''
 
   def summary(self) -> str:
     if self.identical:
@@ -962,7 +967,7 @@ class ProgramDiff:
     return (
         f'programs differ: first difference at canonical line {self.first_difference}'
         f' of {self.linen_lines} (Linen) / {self.nnx_lines} (NNX); {self.changed_lines}'
-        ' lines changed'
+        ' lines changed' + (f'; besides, {self.loop_reorder}' if self.loop_reorder else '')
     )
 
   def to_json(self) -> dict:
@@ -1044,7 +1049,7 @@ def diff(
   return ProgramDiff(
       False, i1 + 1, len(a), len(b), changed, '\n'.join(lines),
       first_linen=_clip(first_a, width, start), first_nnx=_clip(first_b, width, start),
-      allowed=allowed_names,
+      allowed=allowed_names, loop_reorder=loop_order_difference(linen_text, nnx_text, reorder_only=True),
   )
 
 

@@ -328,8 +328,9 @@ def test_a_loop_carrying_its_values_in_another_order_is_a_difference():
   assert programs.loop_carries(straight) == [['tensor<i32>', 'tensor<4xf32>', 'tensor<i32>']]
 
 
-def _two_loops(x_first: bool, x_counter_first: bool = False) -> str:
-  """Two loops, over a 4-vector `x` and an 8-vector `y`, lowered in either order."""
+def _two_loops(x_first: bool, x_counter_first: bool = False, scaled: bool = False) -> str:
+  """Two loops, over a 4-vector `x` and an 8-vector `y`, lowered in either order
+  (`scaled`: the first output times 3 after its loop, another program besides)."""
   import jax
 
   def loop(v, counter_first=False):
@@ -340,11 +341,22 @@ def _two_loops(x_first: bool, x_counter_first: bool = False) -> str:
   def f(x, y):
     if x_first:
       a = loop(x, x_counter_first)
-      return a, loop(y)
+      return (a * 3.0 if scaled else a), loop(y)
     b = loop(y)
-    return loop(x, x_counter_first), b
+    a = loop(x, x_counter_first)
+    return (a * 3.0 if scaled else a), b
 
   return jax.jit(f).lower(jax.ShapeDtypeStruct((4,), 'float32'), jax.ShapeDtypeStruct((8,), 'float32')).as_text()
+
+
+def test_a_loop_carried_in_another_order_is_named_in_programs_that_differ_otherwise_too():
+  """An nnx.scan splitting its state by path, in a stack whose norms also lower differently:
+  the summary names the loop's order besides the changed lines (its fix is known)."""
+  reordered = programs.diff(_two_loops(True), _two_loops(False, x_counter_first=True, scaled=True))
+  assert not reordered.identical and reordered.changed_lines > 0
+  assert '; besides, ' in reordered.summary() and 'the same 2 values in another order' in reordered.summary()
+  plain = programs.diff(_two_loops(True), _two_loops(False, scaled=True))
+  assert not plain.identical and plain.loop_reorder == '' and 'besides' not in plain.summary()
 
 
 def test_loops_are_paired_by_what_they_carry_not_by_their_place_in_the_text():
