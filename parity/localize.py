@@ -416,7 +416,9 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       forward_ulp=_forward_ulp(linen, nnx_probe, forward_call, inside),
       backward=backward,
       only_linen=[k for k in linen.order if k not in set(nnx_probe.order)],
-      only_nnx=[k for k in nnx_probe.order if k not in set(linen.order)],
+      # An NNX call whose Linen counterpart runs inside a transformed body is not missing there.
+      only_nnx=[k for k in nnx_probe.order
+                if k not in set(linen.order) and k.split('#')[0] not in set(linen.unrecorded)],
       details=details,
       backward_ulp=backward_ulp,
       compared_calls=len(common),

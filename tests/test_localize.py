@@ -209,6 +209,9 @@ def test_a_linen_scanned_stack_is_probed_around_its_body():
                        'backward pass: every parameter gradient bitwise equal']
   assert lines[2].startswith('not recorded: Linen module calls inside a transformed body (nn.scan,'
                              ' nn.remat), whose values cannot leave it: blocks/Dense_0, blocks;')
+  # An NNX side that calls its stack as one module (outside any transform) is not unmatched there.
+  nnx_like = dataclasses.replace(probe, order=['inp', 'blocks', 'head', localize.ROOT], unrecorded=())
+  assert localize.localize(probe, nnx_like).only_nnx == []
 
 
 # ---------------------------------------------------------------------------
