@@ -153,8 +153,12 @@ def cmd_compare(args) -> int:
   if args.pair and (args.preset, args.scenario) != (None, None):
     raise BadInput('--preset and --scenario choose the reference decoder\'s configuration;'
                    ' a --pair brings its own model and data')
+  if args.resume_from is not None and args.init is not None:
+    raise BadInput('--init chooses the side that initialises a fresh run; with --resume-from'
+                   ' both sides restore the checkpoint')
   args.preset = args.preset or 'tiny'
   args.scenario = args.scenario or '01_baseline'
+  args.init = args.init or 'linen'
   if args.processes > 1 and not _in_worker():
     return _launch_processes(args)
   from models import config
@@ -383,8 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='e.g. fsdp=8 or data=2,fsdp=2,tensor=2 (default: one device)')
   compare.add_argument('--steps', type=int, default=10)
   compare.add_argument('--seed', type=int, default=0)
-  compare.add_argument('--init', choices=('linen', 'nnx'), default='linen',
-                       help='which side initialises (the other receives the state)')
+  compare.add_argument('--init', choices=('linen', 'nnx'), default=None,
+                       help='which side initialises (the other receives the state; default: linen);'
+                            ' not with --resume-from, where both sides restore the checkpoint')
   compare.add_argument('--checkpoint-every', type=int, default=0, metavar='N',
                        help='save both states with Orbax every N steps, timed apart (0: never)')
   compare.add_argument('--checkpoint-dir', default=None, metavar='DIR',

@@ -83,7 +83,7 @@ class SideRun:
 @dataclasses.dataclass
 class CompareResult:
   steps: int
-  init_side: str
+  init_side: str | None  # None: resumed from a checkpoint, which neither side initialised
   linen: SideRun
   nnx: SideRun
   first_divergent_step: int | None  # the first step whose train metrics differ in a bit
@@ -658,7 +658,7 @@ def compare_sides(
   diffs = bitwise.compare_trees(*finals)
   return CompareResult(
       steps=steps,
-      init_side=init_side,
+      init_side=None if resume_from is not None else init_side,
       linen=runs['linen'],
       nnx=runs['nnx'],
       first_divergent_step=first_divergent,

@@ -134,6 +134,8 @@ def test_compare_exits_1_and_says_where_the_sides_diverge(capsys, monkeypatch, t
     (['compare', '--mesh', 'fsdp=2,pipeline=4'], 'bad mesh spec'),
     (['compare', '--checkpoint-every', '-1'], '--checkpoint-every must be 0'),
     (['compare', '--json', '/nonexistent/dir/report.json'], 'does not exist'),
+    (['compare', '--init', 'nnx', '--resume-from', '/nonexistent'],
+     'with --resume-from both sides restore the checkpoint'),
 ])
 def test_bad_input_exits_2_with_one_message(capsys, argv, message):
   assert cli.main(argv) == 2

@@ -128,6 +128,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process(runs):
   resumed = _compare(tmp, 'two_to_one', '--resume-from', str(tmp / 'ck2' / 'nnx'), '--resume-step', '2')
   assert resumed['first_step'] == 3 and resumed['bitwise_equal']
   assert resumed['final_state_sha256'] == two['final_state_sha256']
+  assert (two['init_side'], resumed['init_side']) == ('linen', None)  # neither side initialised it
 
 
 @SHARED_RUNS
