@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import tempfile
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
 import jax
@@ -99,13 +99,23 @@ class _Runs:
         rng.step_key(self.dropout_base(), step, 0),
     )
 
-  def localization_lines(self, step: int = 0, init_side: str = 'linen') -> list[str]:
+  def localization_lines(self, step: int = 0, init_side: str = 'linen',
+                         metric_diffs: Sequence[bitwise.LeafDiff] = ()) -> list[str]:
+    """The localizer's report on train step `step`; `metric_diffs`, that step's train
+    metrics compared, tells a metric returned as another type from a numeric divergence."""
     try:
       result = self.localization(step, init_side)
     except Exception as e:  # the localizer must never hide the failure it explains
       return [f'localizer failed: {type(e).__name__}: {e}'] + self.parameter_order_lines()
     lines = result.lines()
     if result.first(step) is None:
+      if metric_diffs and all(d.kind != 'bits' for d in metric_diffs):
+        lines.append(
+            f'both passes are bitwise from the same state, and the train metrics of step {step}'
+            f' differ in type only ({"; ".join(str(d) for d in metric_diffs)}): the two train'
+            ' steps return a metric as another dtype, shape or key, which a bitwise comparison'
+            ' counts as a difference whatever its values')
+        return lines
       lines.append('both passes are bitwise from the same state: the difference is in what the'
                    ' step does with the gradients (optimizer update, state collections)')
       lines += self.parameter_order_lines()
@@ -183,9 +193,10 @@ def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping
 
 
 def _with_localization(
-    pair: adapter.Pair, error: AssertionError, step: int = 0, init_side: str = 'linen'
+    pair: adapter.Pair, error: AssertionError, step: int = 0, init_side: str = 'linen',
+    metric_diffs: Sequence[bitwise.LeafDiff] = (),
 ) -> AssertionError:
-  lines = _runs(pair).localization_lines(step, init_side)
+  lines = _runs(pair).localization_lines(step, init_side, metric_diffs)
   return AssertionError(f'{error}\nlocalizer (step {step}, train mode):\n  ' + '\n  '.join(lines))
 
 
@@ -288,7 +299,9 @@ def check_train(pair: adapter.Pair, init_side: str) -> list[str]:
     return compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
                    f'{pair.steps} train steps from {init_side} init (train metrics, final state)')
   except AssertionError as e:
-    raise _with_localization(pair, e, first_divergent_step(ma, mb), init_side) from None
+    step = first_divergent_step(ma, mb)
+    metric_diffs = bitwise.compare_trees(dict(ma[step]), dict(mb[step]))
+    raise _with_localization(pair, e, step, init_side, metric_diffs) from None
 
 
 def check_eval(pair: adapter.Pair) -> list[str]:

@@ -199,3 +199,39 @@ def test_a_structure_mismatch_is_a_failure_naming_every_path():
   message = str(e.value)
   assert message.startswith('missing_rename: NNX state vs Linen state (checkpoint layout):')
   assert 'params/Dense_0/kernel: missing' in message and 'params/head/kernel: extra' in message
+
+
+class _Counted:
+  """A side whose train step also returns a step counter of `dtype` (outside its compiled step)."""
+
+  def __init__(self, side, dtype):
+    self._side, self._dtype = side, dtype
+
+  def __getattr__(self, name):
+    return getattr(self._side, name)
+
+  def train_step(self, state, batch, dropout_base):
+    import numpy as np
+
+    state, metrics = self._side.train_step(state, batch, dropout_base)
+    return state, {**metrics, 'seen': np.asarray(1, self._dtype)}
+
+
+def test_a_metric_returned_as_another_dtype_is_not_blamed_on_the_update():
+  """Linen's step counter is int32, nnx.Optimizer's uint32: a counter returned as a metric
+  differs in dtype with equal numbers. The localizer, finding both passes bitwise, says
+  so, instead of pointing at the optimizer update."""
+  from parity import battery
+
+  def make_counted(mesh):
+    linen, nnx_side = make_sides(CFG, mesh)
+    return _Counted(linen, 'int32'), _Counted(nnx_side, 'uint32')
+
+  counted = Pair('counted', make_counted, functools.partial(classifier_batch, CFG))
+  with pytest.raises(AssertionError) as e:
+    battery.check_train(counted, 'linen')
+  message = str(e.value)
+  assert 'seen/step_0: dtype: int32 vs uint32' in message, message
+  assert ('the train metrics of step 0 differ in type only (seen: dtype: int32 vs uint32): the two'
+          ' train steps return a metric as another dtype') in message, message
+  assert 'optimizer update' not in message
