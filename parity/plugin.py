@@ -7,7 +7,8 @@ package is installed. Declare a pair at module level of a test file:
     classifier = Pair('classifier', make_sides, batch)
 
 and the module gets a test class `classifier` with one test per part of the
-battery (parity/battery.py): structure, logical specs, loss and gradients,
+battery (parity/battery.py): structure, logical specs, each side's own
+initialisers (in distribution), loss and gradients,
 training from each side's init, eval, checkpoints in four directions,
 resume across sides, sharded training per mesh, memory and program parity,
 and the divergence localizer. All tests of a pair share one xdist group, so
@@ -39,7 +40,7 @@ from parity import map_limit  # imports no jax
 # Nothing here imports jax when pytest loads the plugin: a project's conftest
 # sets XLA flags and jax's environment (compilation cache, platforms) first.
 PARTS = (
-    'structure', 'specs', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'mesh', 'memory',
+    'structure', 'specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'mesh', 'memory',
     'program', 'localize',
 )
 DIRECTIONS = ('linen->linen', 'linen->nnx', 'nnx->linen', 'nnx->nnx')
@@ -147,6 +148,9 @@ class _Battery:
 
   def test_specs(self, request):
     _record(request, 'activation_specs', battery.check_specs(self.pair))
+
+  def test_init(self):
+    battery.check_init(self.pair)
 
   def test_grads(self, request):
     _record(request, 'declared_differences', battery.check_grads(self.pair))

@@ -24,7 +24,7 @@ from parity.adapter import Pair
 from parity.sides import make_sides
 
 STEPS = 10  # as the runner's side-by-side runs (tests/runs.py)
-PARTS = ('structure', 'specs', 'grads', 'train', 'eval', 'checkpoints', 'resume')
+PARTS = ('structure', 'specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume')
 # The localizer on a scanned stack (probed through its unscanned twin) and on unscanned layers.
 LOCALIZED = ('01_baseline', '02_unscanned')
 

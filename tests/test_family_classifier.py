@@ -235,3 +235,34 @@ def test_a_metric_returned_as_another_dtype_is_not_blamed_on_the_update():
   assert ('the train metrics of step 0 differ in type only (seen: dtype: int32 vs uint32): the two'
           ' train steps return a metric as another dtype') in message, message
   assert 'optimizer update' not in message
+
+
+def test_another_initialiser_fails_the_init_part():
+  """NNX's head initialised 4 times larger (a lost 1/sqrt(fan_in)) and its bias with ones:
+  both named, the kernel by its distribution, the bias bit for bit (it is constant)."""
+  from parity import battery
+
+  def make_misinitialised(mesh):
+    linen, nnx_side = make_sides(CFG, mesh)
+
+    def create(seed):
+      model, optimizer = nnx_classifier.create_train_state(CFG, seed)
+      model.head.kernel[...] = model.head.kernel[...] * 4
+      model.head.bias[...] = model.head.bias[...] + 1
+      return model, optimizer
+
+    return linen, dataclasses.replace(nnx_side, create=create)
+
+  pair = Pair('misinitialised', make_misinitialised, functools.partial(classifier_batch, CFG))
+  with pytest.raises(AssertionError) as e:
+    battery.check_init(pair)
+  message = str(e.value)
+  assert message.startswith(
+      "misinitialised: the two sides' own initial states (init(seed 0), checkpoint layout) differ"
+      ' beyond what their random initialisers explain: 2 leaf/leaves (values: Linen vs NNX)'), message
+  lines = message.splitlines()[1:]
+  assert [line.split(':')[0].strip() for line in lines] == ['params/Dense_0/bias', 'params/Dense_0/kernel']
+  assert lines[0].endswith('(not random in Linen and NNX: all its elements equal, or not floats, so compared'
+                           ' bit for bit)'), lines[0]
+  assert 'another distribution' in lines[1] and 'std ratio within 1 +- 0.474' in lines[1], lines[1]
+  battery.check_init(classifier)  # the pair itself passes

@@ -1,17 +1,11 @@
-"""Native NNX init against native Linen init.
+"""Native NNX init against native Linen init: what is specific to the decoder.
 
 The two frameworks derive init keys differently, so values differ; structure
-(paths, shapes, dtypes, logical specs) must be identical and every
-parameter's distribution must agree.
-
-Statistical bound: for a parameter with n i.i.d. entries of std s, the
-sample mean has std s/sqrt(n) and the sample std has relative std about
-1/sqrt(2n). We require |mean_linen - mean_nnx| <= 6 * s * sqrt(2/n) and
-|std_linen / std_nnx - 1| <= 6 / sqrt(n) (+ a floor for the 64-entry norm
-scales, which are constant ones and compare exactly). At 6 sigma a false
-alarm is ~1e-9 per parameter; a wrong initializer (normal instead of
-truncated normal, fan_out instead of fan_in, std 1 instead of 1/sqrt(fan_in))
-moves the std by far more than that for every kernel here.
+(paths, shapes, dtypes, logical specs) must be identical. That every
+parameter's distribution agrees (within 6 standard errors), and that what is
+not random is bitwise, is the plugin's `test_init` part, run on every
+scenario's pair (tests/test_decoder_pairs.py, parity/battery.py `check_init`).
+Here: the values really are each side's own, and the decoder's intended scales.
 """
 import math
 
@@ -19,7 +13,6 @@ import numpy as np
 import pytest
 
 from bridge import paths, specs
-from parity.bitwise import assert_bitwise_equal
 
 
 @pytest.fixture(scope='module')
@@ -47,23 +40,14 @@ def test_logical_specs_equal(tiny_sides):
   )
 
 
-def test_distributions_agree(native):
+def test_random_values_are_each_sides_own(native):
+  """Different keys: a side that copied the other's values would pass `test_init` without
+  initialising anything itself. The norm scales are ones on both sides (bitwise in `test_init`)."""
   linen_params, nnx_params = native
-  checked = 0
-  for path in sorted(linen_params):
-    a = np.asarray(linen_params[path], np.float64).ravel()
-    b = np.asarray(nnx_params[path], np.float64).ravel()
-    if path.endswith('scale'):
-      assert_bitwise_equal(linen_params[path], nnx_params[path], path)  # ones on both sides: bits, dtype, shape
-      continue
-    n = a.size
-    s = max(a.std(), b.std())
-    assert abs(a.mean() - b.mean()) <= 6 * s * math.sqrt(2 / n), path
-    assert abs(a.std() / b.std() - 1) <= 6 / math.sqrt(n), path
-    # Different keys: a side that copied the other's values is not "native".
-    assert not np.array_equal(a, b), path
-    checked += 1
-  assert checked >= 8
+  random = [path for path in sorted(linen_params) if not path.endswith('scale')]
+  assert len(random) >= 8
+  for path in random:
+    assert not np.array_equal(np.asarray(linen_params[path]), np.asarray(nnx_params[path])), path
 
 
 def test_expected_init_scales(native):

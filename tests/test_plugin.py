@@ -59,7 +59,7 @@ def test_a_declared_pair_becomes_the_battery(user_project):
   broken = [i.split('::', 1)[1] for i in ids if '::broken::' in i]
   assert len(ids) == 2 * len(broken)  # the README's pair and the broken one
   assert broken == [
-      'broken::test_structure', 'broken::test_specs', 'broken::test_grads',
+      'broken::test_structure', 'broken::test_specs', 'broken::test_init', 'broken::test_grads',
       'broken::test_train[linen]', 'broken::test_train[nnx]', 'broken::test_eval',
       'broken::test_checkpoints[linen->linen]', 'broken::test_checkpoints[linen->nnx]',
       'broken::test_checkpoints[nnx->linen]', 'broken::test_checkpoints[nnx->nnx]',
