@@ -24,8 +24,6 @@ from bridge.errors import TreeMismatchError
 from models import rng
 from parity import activations, adapter, bitwise, checkpoints, distributed, localize, programs, runner
 
-from parity.plugin import DIRECTIONS, PARTS  # noqa: F401  (jax-free constants)
-
 
 class _Runs:
   """What a pair's checks share, computed on first use."""

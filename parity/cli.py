@@ -197,10 +197,16 @@ def cmd_compare(args) -> int:
           model_cfg, train_cfg, args.steps, seed=args.seed, init_side=args.init, **options
       )
     else:
+      # The pair's parts choose what its comparison covers, as they choose its battery.
+      from parity.parts import PARTS
+
+      parts = set(PARTS if pair.parts is None else pair.parts)
+      options['program_diff'] = options['program_diff'] and 'program' in parts
       result = runner.compare_sides(
           pair.make_sides(mesh), lambda step: pair.batch(step, 'train'), args.steps,
           seed=args.seed, init_side=args.init,
-          declared_program_difference=pair.program_difference(), **options,
+          declared_program_difference=pair.program_difference(),
+          compare_memory='memory' in parts, localize_divergence='localize' in parts, **options,
       )
   except adapter.BatchError as e:
     raise BadInput(str(e)) from None

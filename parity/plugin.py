@@ -36,14 +36,10 @@ import sys
 import pytest
 
 from parity import map_limit  # imports no jax
+from parity.parts import DIRECTIONS, PARTS  # neither
 
 # Nothing here imports jax when pytest loads the plugin: a project's conftest
 # sets XLA flags and jax's environment (compilation cache, platforms) first.
-PARTS = (
-    'structure', 'specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'mesh', 'memory',
-    'program', 'localize',
-)
-DIRECTIONS = ('linen->linen', 'linen->nnx', 'nnx->linen', 'nnx->nnx')
 
 
 class _Lazy:
@@ -75,10 +71,10 @@ def pytest_configure(config):
   parts = config.getoption('parity_parts')
   if parts is not None:
     if not _part_names(parts):
-      raise pytest.UsageError(f'--parity-parts: no part named; parts: {", ".join(battery.PARTS)}')
+      raise pytest.UsageError(f'--parity-parts: no part named; parts: {", ".join(PARTS)}')
     unknown = sorted(_part_names(parts) - set(PARTS))
     if unknown:
-      raise pytest.UsageError(f'--parity-parts: unknown part(s) {unknown}; parts: {", ".join(battery.PARTS)}')
+      raise pytest.UsageError(f'--parity-parts: unknown part(s) {unknown}; parts: {", ".join(PARTS)}')
   meshes = config.getoption('parity_mesh')
   if meshes:
     try:

@@ -76,15 +76,19 @@ def _bytes(n: int | None) -> str:
   return f'{n} B'
 
 
-def _diff(a: float | None, b: float | None, better: int, fmt: Callable = _num) -> str:
-  """'b − a' with its relative size and, when they differ, better or worse."""
+def _diff(a: float | None, b: float | None, better: int | None, fmt: Callable = _num) -> str:
+  """'b − a' with its relative size and, when they differ, better or worse (`better=None`:
+  neither, for a value whose difference is a divergence, not an improvement)."""
   if a is None or b is None:
     return '—'
   d = b - a
   if d == 0:
     return '0'
   rel = f' ({100 * d / a:+.1f}%)' if a else ''
-  mark = 'better' if d * better > 0 else 'worse'
+  if better is None:
+    mark = 'differs'
+  else:
+    mark = 'better' if d * better > 0 else 'worse'
   sign = '+' if d > 0 else '-'
   return f'{sign}{fmt(abs(d))}{rel} {mark}'
 
@@ -130,7 +134,7 @@ class Report:
     final = (lin.losses[-1], nnx.losses[-1]) if lin.losses and nnx.losses else (None, None)
     final_diff = (
         '0 (same bits)' if lin.loss_hex[-1:] == nnx.loss_hex[-1:]
-        else _diff(final[0], final[1], LOWER_IS_BETTER, lambda x: f'{x:.3e}')
+        else _diff(final[0], final[1], None, lambda x: f'{x:.3e}')  # a migration's loss is not to improve
     )
     rows.append(('Final loss', _loss(final[0]), _loss(final[1]), final_diff))
     if r.first_divergent_step is None:
@@ -213,7 +217,8 @@ class Report:
   def notes(self) -> list[str]:
     r = self.result
     notes = [
-        f'{DIFF_HEADER}: better/worse as judged for the NNX side.',
+        f'{DIFF_HEADER}: better/worse as judged for the NNX side (a final loss that differs is'
+        ' a divergence, neither).',
         'Equal bits: every metric the train steps return (the loss and any other), bit for bit.',
         'Step time: from dispatch to the host holding that step\'s loss; the two sides\''
         ' steps interleaved (order alternating); compilation timed apart (step 0 only'

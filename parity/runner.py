@@ -111,6 +111,7 @@ class CompareResult:
   program_diff_outside: programs.ProgramDiff | None = None
   # Elements of the state's `params/` leaves (a pair's count; the decoder's comes from its config).
   parameters: int | None = None
+  memory_compared: bool = True  # False: the run left memory out (a pair without the 'memory' part)
   # The lowered train steps, {'linen': text, 'nnx': text} (not in the JSON).
   program_texts: dict[str, str] | None = dataclasses.field(default=None, repr=False)
 
@@ -151,6 +152,8 @@ class CompareResult:
 
   @property
   def memory_verdict(self) -> str:
+    if not self.memory_compared:
+      return 'not compared'
     if not self.linen.memory and not self.nnx.memory:
       return 'not measured (the backend has no memory analysis)'
     drift = self.memory_drift
@@ -573,6 +576,7 @@ def compare_sides(
     resume_from: tuple[str, int] | None = None,
     declared_program_difference: Any = None,
     localize_divergence: bool = True,
+    compare_memory: bool = True,
 ) -> CompareResult:
   """Trains any two sides (parity.adapter.Side) `steps` steps from one state; see the module doc.
 
@@ -591,6 +595,7 @@ def compare_sides(
   first divergent step again from the Linen state it started from (carried
   to NNX), and the result names the first divergent module
   (`localize_divergence=False`: not; it keeps one more state alive).
+  `compare_memory=False` leaves XLA's memory analysis out of the result and its verdict.
   """
   if init_side not in SIDES:
     raise ValueError(f"init_side must be 'linen' or 'nnx', got {init_side!r}")
@@ -633,7 +638,8 @@ def compare_sides(
     runs[name].compile_s = compiled[name].compile_s
   device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
   for name in SIDES:
-    runs[name].memory = compiled[name].memory(device)
+    if compare_memory:
+      runs[name].memory = compiled[name].memory(device)
     runs[name].xla_flops = compiled[name].cost_flops()
   diff = program_diff_of(compiled['linen'], compiled['nnx']) if program_diff else None
   outside = None
@@ -678,6 +684,7 @@ def compare_sides(
       program_diff=diff,
       program_diff_outside=outside,
       parameters=_parameters(finals[0]),
+      memory_compared=compare_memory,
       program_texts={name: compiled[name].text for name in SIDES},
   )
 

@@ -289,3 +289,20 @@ def test_compare_without_the_program_check_says_not_compared(capsys, tmp_path):
   assert data['bitwise_equal'] is True
   assert data['programs_identical'] is None and data['program_verdict'] == 'not compared'
   assert data['memory_verdict'] == 'equal to the byte'
+
+
+def test_compare_of_a_pair_compares_what_its_parts_cover(monkeypatch, capsys, tmp_path):
+  """A pair whose parts leave out 'program' and 'memory' (here the classifier without its
+  declared batch-norm difference, whose programs do differ): `parity compare` compares
+  neither, as the pair's battery does not, and says so."""
+  import dataclasses
+
+  from tests import test_family_classifier
+
+  pair = dataclasses.replace(test_family_classifier.classifier, known_differences=(), parts=('grads', 'train'))
+  monkeypatch.setattr(cli, '_load_pair', lambda spec: pair)
+  out = tmp_path / 'pair.json'
+  assert cli.main(['compare', '--pair', 'any.py:classifier', '--steps', '2', '--json', str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert (result['program_verdict'], result['memory_verdict']) == ('not compared', 'not compared')
+  assert result['same_program'] and result['bitwise_equal']

@@ -406,6 +406,17 @@ def test_diff_column_marks_better_and_worse():
   assert report._diff(2.0, 1.0, report.LOWER_IS_BETTER).endswith('(-50.0%) better')
   assert report._diff(2.0, 3.0, report.HIGHER_IS_BETTER).endswith('better')
   assert report._diff(None, 3.0, report.HIGHER_IS_BETTER) == '—'
+  assert report._diff(2.0, 1.0, None).endswith('(-50.0%) differs')
+
+
+def test_a_final_loss_that_differs_is_not_called_better():
+  """A lower NNX loss is a divergence (e.g. a causal mask that lets a token see the next),
+  not an improvement: the row says it differs."""
+  losses = {'linen': [4.5, 4.25], 'nnx': [4.5, 4.0]}
+  linen, nnx_run = (runner.SideRun(losses=v, loss_hex=[runner.loss_hex(x) for x in v]) for v in losses.values())
+  diverged = runner.CompareResult(2, 'linen', linen, nnx_run, 1, [])
+  row = dict((r[0], r[1:]) for r in report.Report(diverged, 'pair x', '-', None).summary_rows())['Final loss']
+  assert row[2] == '-2.500e-01 (-5.9%) differs', row
 
 
 class _Stream(io.StringIO):
