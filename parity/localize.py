@@ -135,12 +135,14 @@ def linen_probe(loss: Callable, has_aux: bool, state: Any, batch: Any, dropout_k
 
 
 @contextlib.contextmanager
-def _nnx_intercept(model: nnx.Module, recorder: _Recorder, rename: Callable[[str], str]):
-  """Each module class's `__call__` wrapped (restored on exit); outermost call per instance recorded."""
-  names = {}
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Module) and id(node) not in names and scopes.call_owner(node):
-      names[id(node)] = rename('/'.join(str(p) for p in path))
+def _nnx_intercept(model: nnx.Module, recorder: _Recorder, rename: Callable[[str], str],
+                   unrecorded: list[str]):
+  """Each module class's `__call__` wrapped (restored on exit); outermost call per instance
+  recorded, except inside a transform's body (`nnx.remat`, `nnx.scan`, ...), whose module
+  copies (named by their originals' tags, parity/scopes.py) compute the body's tracers:
+  their paths go to `unrecorded`, as on the Linen side."""
+  scopes.tag_paths(model, rename)
+  outer = tracers.current_trace()
   active: set[int] = set()
 
   def wrap(original):
@@ -152,9 +154,15 @@ def _nnx_intercept(model: nnx.Module, recorder: _Recorder, rename: Callable[[str
       finally:
         if outermost:
           active.discard(id(self))
-      if outermost and id(self) in names:
-        return recorder.record(names[id(self)], y, args)
-      return y
+      path = scopes.tagged_path(self)
+      if not outermost or path is None:
+        return y
+      path = path or ROOT
+      if tracers.current_trace() != outer:
+        if path not in unrecorded:
+          unrecorded.append(path)
+        return y
+      return recorder.record(path, y, args)
 
     return __call__
 
@@ -183,18 +191,21 @@ def nnx_probe(
     params, rest = jax.tree.map(lambda x: x, (params, rest))
     model, _ = nnx.merge(graphdef, params, rest)
     recorder = _Recorder(probes, call_key)
-    with _nnx_intercept(model, recorder, renames.to_linen):
+    unrecorded.clear()
+    with _nnx_intercept(model, recorder, renames.to_linen, unrecorded):
       value = loss(model, batch, dropout_key)
     order[:] = recorder.order
     return value, (recorder.outputs, recorder.inputs)
 
   order: list[str] = []
-  return _probe(
+  unrecorded: list[str] = []
+  probe = _probe(
       traced, order, params, (rest, batch, dropout_key),
       lambda p: {
           prefix + renames.to_linen(k[2:]): to_linen(k[2:], g) for k, g in paths.flatten(p).items()
       },
   )
+  return dataclasses.replace(probe, unrecorded=tuple(call_key(u) for u in unrecorded))
 
 
 # ---------------------------------------------------------------------------
@@ -247,7 +258,10 @@ class Localization:
   # The first place the module calls found on both sides come in another order:
   # (index among them, Linen's call there, NNX's call there); None: the same order.
   order_difference: tuple[int, str, str] | None = None
-  unrecorded: tuple[str, ...] = ()  # Linen modules called inside a transformed body (adapter.Probe)
+  unrecorded: tuple[str, ...] = ()  # modules called inside a transformed body, either side (adapter.Probe)
+  # With `forward_inside`: the outermost unrecorded calls inside `forward`, where the
+  # difference may have arisen as well as in its own code.
+  forward_unrecorded: tuple[str, ...] = ()
 
   def first(self, step: int | None = None) -> dict[str, Any] | None:
     """The first divergent module: `{step, path, layer, pass, max_ulp}` (None: none found).
@@ -273,7 +287,14 @@ class Localization:
 
   def lines(self) -> list[str]:
     out = []
-    if self.forward is not None and self.forward_inside:
+    if self.forward is not None and self.forward_inside and self.forward_unrecorded:
+      out.append(
+          f'forward pass: inside module {self.forward}: the input of {self.forward_call} differs'
+          f' while every earlier recorded call agrees ({self.details[self.forward_call]}); it arose'
+          f' in a call not recorded there, {_shown(self.forward_unrecorded)} (inside a transformed'
+          f' body), or in {self.forward}\'s own code between its submodules'
+      )
+    elif self.forward is not None and self.forward_inside:
       out.append(
           f'forward pass: inside module {self.forward}, outside its submodules: the input of'
           f' {self.forward_call} differs while every earlier call agrees'
@@ -297,10 +318,10 @@ class Localization:
       out.append(f'module calls in another order: call {i} of those on both sides is {a} in Linen,'
                  f' {b} in NNX (a rename rule that maps an NNX module to another Linen path reads so)')
     if self.unrecorded:
-      shown = ', '.join(self.unrecorded[:5]) + (f' and {len(self.unrecorded) - 5} more' if len(self.unrecorded) > 5 else '')
-      out.append(f'not recorded: Linen module calls inside a transformed body (nn.scan, nn.remat),'
-                 f' whose values cannot leave it: {shown}; a difference there shows in the input of'
-                 ' the first recorded call after them, and in their parameters\' gradients')
+      out.append(f'not recorded: module calls inside a transformed body (Linen nn.scan, nn.remat;'
+                 f' NNX nnx.scan, nnx.remat, ...), whose values cannot leave it:'
+                 f' {_shown(self.unrecorded)}; a difference there shows in the input of the first'
+                 ' recorded call after them, and in their parameters\' gradients')
     if self.only_linen or self.only_nnx:
       out.append(f'unmatched module calls: linen {self.only_linen}, nnx {self.only_nnx}'
                  ' (add rename rules to compare them)')
@@ -323,6 +344,16 @@ class Localization:
     if not self.compared_grads:
       out.append('no parameter gradient found on both sides')
     return out
+
+
+def _shown(names, most: int = 5) -> str:
+  return ', '.join(names[:most]) + (f' and {len(names) - most} more' if len(names) > most else '')
+
+
+def _outermost_inside(module: str, calls) -> tuple[str, ...]:
+  """Of `calls` (module paths), those inside `module` that are not inside another of them."""
+  inside = [c for c in calls if module == ROOT or c.startswith(module + '/')]
+  return tuple(c for c in inside if not any(c.startswith(o + '/') for o in inside))
 
 
 def _module_of(key: str) -> str:
@@ -392,6 +423,7 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       p for p in linen.param_grads
       if p in nnx_probe.param_grads and differs(linen.param_grads[p], nnx_probe.param_grads[p], p)
   ]
+  unrecorded = tuple(dict.fromkeys(linen.unrecorded + nnx_probe.unrecorded))
   backward = []
   backward_ulp: dict[str, int | None] = {}
   claimed: set[str] = set()
@@ -415,8 +447,9 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       forward_inside=inside,
       forward_ulp=_forward_ulp(linen, nnx_probe, forward_call, inside),
       backward=backward,
-      only_linen=[k for k in linen.order if k not in set(nnx_probe.order)],
-      # An NNX call whose Linen counterpart runs inside a transformed body is not missing there.
+      # A call whose counterpart runs inside a transformed body is not missing there.
+      only_linen=[k for k in linen.order
+                  if k not in set(nnx_probe.order) and k.split('#')[0] not in set(nnx_probe.unrecorded)],
       only_nnx=[k for k in nnx_probe.order
                 if k not in set(linen.order) and k.split('#')[0] not in set(linen.unrecorded)],
       details=details,
@@ -426,7 +459,8 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       only_linen_grads=[p for p in linen.param_grads if p not in nnx_probe.param_grads],
       only_nnx_grads=[p for p in nnx_probe.param_grads if p not in linen.param_grads],
       order_difference=order_difference,
-      unrecorded=tuple(linen.unrecorded),
+      unrecorded=unrecorded,
+      forward_unrecorded=_outermost_inside(forward, unrecorded) if inside else (),
   )
 
 

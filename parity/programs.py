@@ -770,6 +770,10 @@ def _location_names(text: str) -> dict[str, str]:
   return {alias: name(alias) for alias in bodies}
 
 
+# Name-stack components jax.checkpoint (nn.remat, nnx.remat) adds inside a module's path.
+_JAX_SCOPES = frozenset({'checkpoint', 'rematted_computation'})
+
+
 def module_of(name: str) -> list[str]:
   """The module path in a name-stack string, its root module and the operation dropped.
 
@@ -779,6 +783,10 @@ def module_of(name: str) -> list[str]:
   parts = name.split('/')
   while len(parts) > 1 and re.fullmatch(r'p?jit\(.*\)', parts[0]):
     parts = parts[1:]
+  # Inside a rematerialised body the name stack repeats the root under the
+  # transpose (`transpose(jvp(Net))/jvp(Net)/checkpoint/rematted_computation/...`):
+  # the repeat and jax.checkpoint's own components are not modules.
+  parts = parts[:1] + [p for p in parts[1:-1] if '(' not in p and p not in _JAX_SCOPES] + parts[-1:]
   parts = [re.sub(r'\)+$', '', re.sub(r'^(?:[\w.-]*\()+', '', p)) for p in parts]
   return parts[1:-1]
 

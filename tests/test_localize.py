@@ -25,10 +25,13 @@ FEATURES = (8, 8, 4)
 
 
 class LinenMlp(nn.Module):
+  remat: bool = False  # the hidden layers under nn.remat
+
   @nn.compact
   def __call__(self, x):
     for i, f in enumerate(FEATURES):
-      x = nn.Dense(f, name=f'dense_{i}')(x)
+      dense = nn.remat(nn.Dense) if self.remat and i < len(FEATURES) - 1 else nn.Dense
+      x = dense(f, name=f'dense_{i}')(x)
       x = jnp.tanh(x) if i < len(FEATURES) - 1 else x
     return x
 
@@ -58,8 +61,10 @@ class BrokenLinear(nnx.Linear):
 
 
 class NnxMlp(nnx.Module):
-  def __init__(self, broken: tuple[int, str] | dict[int, str] | None, rngs: nnx.Rngs):
-    """`broken`: (layer, mode), or {layer: mode} for several."""
+  def __init__(self, broken: tuple[int, str] | dict[int, str] | None, rngs: nnx.Rngs, remat: bool = False):
+    """`broken`: (layer, mode), or {layer: mode} for several; `remat`: the hidden layers
+    called through nnx.remat."""
+    self.remat = remat
     breaks = dict([broken]) if isinstance(broken, tuple) else dict(broken or {})
     sizes = (6,) + FEATURES
     layers = []
@@ -72,14 +77,15 @@ class NnxMlp(nnx.Module):
 
   def __call__(self, x):
     for i, layer in enumerate(self.layers):
-      x = layer(x)
-      x = jnp.tanh(x) if i < len(FEATURES) - 1 else x
+      hidden = i < len(FEATURES) - 1
+      x = nnx.remat(lambda m, x: m(x))(layer, x) if self.remat and hidden else layer(x)
+      x = jnp.tanh(x) if hidden else x
     return x
 
 
-def _linen_side():
+def _linen_side(remat=False):
   def create(seed):
-    model = LinenMlp()
+    model = LinenMlp(remat)
     params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 6)))['params']
     return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
 
@@ -89,9 +95,9 @@ def _linen_side():
   return StockLinen(create, None, None, loss)
 
 
-def _nnx_side(broken):
+def _nnx_side(broken, remat=False):
   def create(seed):
-    model = NnxMlp(broken, nnx.Rngs(params=seed))
+    model = NnxMlp(broken, nnx.Rngs(params=seed), remat)
     return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
   def loss(model, batch, key):
@@ -101,8 +107,8 @@ def _nnx_side(broken):
   return StockNnx(create, None, None, loss, renames=renames)
 
 
-def _localize(broken):
-  linen, nnx_side = _linen_side(), _nnx_side(broken)
+def _localize(broken, remat=False):
+  linen, nnx_side = _linen_side(remat), _nnx_side(broken, remat)
   state = linen.init(0)
   batch = {
       'x': jax.random.normal(jax.random.PRNGKey(1), (5, 6)),
@@ -207,11 +213,30 @@ def test_a_linen_scanned_stack_is_probed_around_its_body():
   lines = localize.localize(probe, probe).lines()
   assert lines[:2] == ['forward pass: every module output bitwise equal',
                        'backward pass: every parameter gradient bitwise equal']
-  assert lines[2].startswith('not recorded: Linen module calls inside a transformed body (nn.scan,'
-                             ' nn.remat), whose values cannot leave it: blocks/Dense_0, blocks;')
+  assert lines[2].startswith('not recorded: module calls inside a transformed body (Linen nn.scan,'
+                             ' nn.remat; NNX nnx.scan, nnx.remat, ...), whose values cannot leave it:'
+                             ' blocks/Dense_0, blocks;')
   # An NNX side that calls its stack as one module (outside any transform) is not unmatched there.
   nnx_like = dataclasses.replace(probe, order=['inp', 'blocks', 'head', localize.ROOT], unrecorded=())
   assert localize.localize(probe, nnx_like).only_nnx == []
+
+
+def test_a_divergence_inside_rematerialised_layers_names_the_unrecorded_calls():
+  """The hidden layers under nn.remat and nnx.remat, layer 1 broken: calls inside either
+  transform's body cannot be recorded (NNX's are the transform's copies, named by their
+  originals). The first recorded call whose input differs is the head's; the localizer
+  names the unrecorded layers as where the difference may have arisen, not only the root."""
+  result = _localize((1, 'forward'), remat=True)
+  assert result.unrecorded == ('dense_0', 'dense_1')  # both sides: the NNX copies are named
+  assert (result.only_linen, result.only_nnx) == ([], [])
+  assert (result.forward, result.forward_call, result.forward_unrecorded) == (
+      localize.ROOT, 'dense_2', ('dense_0', 'dense_1'))
+  line = result.lines()[0]
+  assert line.startswith('forward pass: inside module (model): the input of dense_2 differs while'
+                         ' every earlier recorded call agrees'), line
+  assert line.endswith('it arose in a call not recorded there, dense_0, dense_1 (inside a transformed'
+                       " body), or in (model)'s own code between its submodules"), line
+  assert _localize(None, remat=True).clean
 
 
 # ---------------------------------------------------------------------------

@@ -124,3 +124,41 @@ def test_a_module_computing_otherwise_with_a_multi_result_operation_is_the_same_
   assert not programs.diff(two_results, one_result).identical
   d = programs.diff(two_results, one_result, opaque_modules=('M',))
   assert d.identical, d.diff
+
+
+class LinenRemat(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(nn.remat(nn.LayerNorm)(name='LayerNorm_0')(x))
+
+
+class NnxRemat(NnxNet):
+  def __call__(self, x):
+    return self.dense(nnx.remat(lambda norm, x: norm(x))(self.norm, x))
+
+
+def test_a_declared_module_inside_remat_is_confined_on_both_sides():
+  """nn.remat and nnx.remat around the stock norm, forward and backward lowered.
+
+  NNX's remat calls a copy of the norm (nnx.merge); the copy carries its
+  original's path tag, so its operations are named as the original's. The
+  rematerialised backward pass repeats the root and adds jax.checkpoint's own
+  name-stack components, which are not modules. With the norm left out, the
+  two programs are identical.
+  """
+  def loss(apply):
+    return lambda p, x: jnp.sum(apply(p, x))
+
+  model = LinenRemat()
+  params = model.init(jax.random.key(0), X)
+  linen = jax.jit(jax.grad(loss(model.apply))).lower(params, X).as_text(debug_info=True)
+  nnx_model = NnxRemat(nnx.Rngs(0))
+  graphdef, state = nnx.split(nnx_model)
+  step = jax.jit(jax.grad(loss(lambda s, x: nnx.merge(graphdef, s)(x))))
+  with compat.fresh_trace(), scopes.nnx_module_scopes(nnx_model, lambda p: RENAMES.get(p, p)):
+    nnx_text = step.lower(state, X).as_text(debug_info=True)
+  assert not programs.diff(linen, nnx_text).identical  # the premise: the stock norms differ
+  d = programs.diff(linen, nnx_text, opaque_modules=('LayerNorm_0',))
+  assert d.identical, d.diff
+  assert programs.module_of('jit(f)/transpose(jvp(Net))/jvp(Net)/checkpoint/rematted_computation/'
+                            'blocks_0/LayerNorm_0/add') == ['blocks_0', 'LayerNorm_0']
