@@ -103,6 +103,7 @@ def nnx_to_checkpoint(
   flat = paths.flatten(nnx_tree)
   param_paths = {p[2:] for p, t in types.items() if p.startswith('0/') and issubclass(t, nnx.Param)}
   out: dict[str, Any] = {}
+  extra: dict[str, list[str]] = {}  # leaves of neither the model nor nnx.Optimizer, by attribute
   for path, x in flat.items():
     if path.startswith('0/'):
       p = path[2:]
@@ -114,10 +115,16 @@ def nnx_to_checkpoint(
       p = param_suffix(rest, param_paths)
       out[rest if p is None else rest[: len(rest) - len(p)] + renames.to_linen(p)] = x
     else:
-      raise TreeMismatchError(
-          'NNX train state',
-          [Problem(path, 'extra', 'model (0/...) or optimizer (1/...) leaf', 'other')],
-      )
+      extra.setdefault('/'.join(path.split('/')[:2]), []).append(path)
+  if extra:
+    raise TreeMismatchError('NNX train state', [
+        Problem(leaves[0], 'extra',
+                "a model leaf (0/...) or nnx.Optimizer's step (1/step) or opt_state (1/opt_state/...)",
+                f'{attribute} ({len(leaves)} leaves): the stock NNX side carries those alone; an'
+                ' optimizer (or state) holding more, such as EMA copies of the parameters, needs a'
+                ' side of its own (parity.adapter.Side)')
+        for attribute, leaves in extra.items()
+    ])
   return out
 
 

@@ -266,3 +266,24 @@ def test_another_initialiser_fails_the_init_part():
                            ' bit for bit)'), lines[0]
   assert 'another distribution' in lines[1] and 'std ratio within 1 +- 0.474' in lines[1], lines[1]
   battery.check_init(classifier)  # the pair itself passes
+
+
+def test_an_optimizer_holding_more_than_the_stock_one_is_named_once():
+  """An nnx.Optimizer with EMA copies of two parameters: one problem naming the attribute,
+  its leaf count and the way on, not a contradiction per leaf ("optimizer (1/...) leaf,
+  got other")."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from bridge import stock
+  from bridge.errors import TreeMismatchError
+
+  model, optimizer = nnx_classifier.create_train_state(CFG, 0)
+  optimizer.ema = nnx.data({'head': nnx.Variable(jnp.zeros(2)), 'conv1': nnx.Variable(jnp.ones(2))})
+  with pytest.raises(TreeMismatchError) as e:
+    stock.nnx_to_checkpoint(nnx.state((model, optimizer)), RENAMES)
+  assert str(e.value) == (
+      'NNX train state: 1 path(s) do not match:\n  1/ema/conv1: extra: expected a model leaf (0/...)'
+      " or nnx.Optimizer's step (1/step) or opt_state (1/opt_state/...), got 1/ema (2 leaves): the"
+      ' stock NNX side carries those alone; an optimizer (or state) holding more, such as EMA copies'
+      ' of the parameters, needs a side of its own (parity.adapter.Side)')
