@@ -116,8 +116,34 @@ class _Runs:
         return lines
       lines.append('both passes are bitwise from the same state: the difference is in what the'
                    ' step does with the gradients (optimizer update, state collections)')
+      lines += self.update_lines(step, init_side)
       lines += self.parameter_order_lines()
     return lines
+
+  def update_lines(self, step: int, init_side: str = 'linen') -> list[str]:
+    """Where the two states part after train step `step`, both from the Linen state before it:
+    the parts of the state that differ (leaf counts), scalars first named, as a counter
+    (a gradient-accumulation step, an EMA count) tells the most."""
+    try:
+      start = self.linen_state_before(step, init_side)
+      after = []
+      for side in self.sides():
+        state, _ = side.train_step(side.from_checkpoint(start), self.batch(step), self.dropout_base())
+        after.append(distributed.host_arrays(side.to_checkpoint(state)))
+    except Exception as e:  # a hint only: never hide the failure it explains
+      return [f'(states after the step not compared: {type(e).__name__}: {e})']
+    diffs = bitwise.compare_trees(*after)
+    if not diffs:
+      return []
+    parts: dict[str, int] = {}
+    for d in diffs:
+      key = '/'.join(d.path.split('/')[:2])
+      parts[key] = parts.get(key, 0) + 1
+    shown = ', '.join(f'{k} ({n})' for k, n in list(parts.items())[:8])
+    more = f' and {len(parts) - 8} more' if len(parts) > 8 else ''
+    scalars = [str(d) for d in diffs if np.ndim(after[0].get(d.path, 0)) == 0][:3]
+    return [f'after step {step}, from the same state, the states differ in {len(diffs)} leaves:'
+            f' {shown}{more}' + (f'; scalars: {"; ".join(scalars)}' if scalars else '')]
 
   def parameter_order_lines(self) -> list[str]:
     """Where the sides flatten their parameters in different orders, a line saying so.

@@ -8,6 +8,7 @@ localizer must name that module and that pass, and nothing when unbroken.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import flax.linen as nn
 import jax
@@ -328,6 +329,10 @@ def test_a_training_divergence_is_localized_at_its_first_divergent_step():
   assert 'localizer (step 1, train mode):' in message
   assert 'forward pass: every module output bitwise equal' in message
   assert 'the difference is in what the step does with the gradients' in message
+  # Twice the learning rate: the parameters move otherwise; adam's moments do not depend on it.
+  part = re.search(r'after step 1, from the same state, the states differ in (\d+) leaves: (.*)', message)
+  assert part is not None, message
+  assert part.group(2).split(', ')[0].startswith('params/') and 'opt_state' not in part.group(2), part.group(0)
 
 
 def test_the_first_divergent_step_is_the_first_whose_train_metrics_differ_in_a_bit():
