@@ -141,7 +141,7 @@ class _Runs:
       parts[key] = parts.get(key, 0) + 1
     shown = ', '.join(f'{k} ({n})' for k, n in list(parts.items())[:8])
     more = f' and {len(parts) - 8} more' if len(parts) > 8 else ''
-    scalars = [str(d) for d in diffs if np.ndim(after[0].get(d.path, 0)) == 0][:3]
+    scalars = [str(d) for d in _scalars_first(diffs, after[0]) if d.kind == 'bits' and np.ndim(after[0][d.path]) == 0][:3]
     return [f'after step {step}, from the same state, the states differ in {len(diffs)} leaves:'
             f' {shown}{more}' + (f'; scalars: {"; ".join(scalars)}' if scalars else '')]
 
@@ -195,7 +195,8 @@ def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping
   """
   __tracebackhide__ = _battery_frames_hidden
   seen, problems = [], []
-  for d in bitwise.compare_trees(dict(a), dict(b)):
+  a, b = paths.flatten(dict(a)), paths.flatten(dict(b))
+  for d in _scalars_first(bitwise.compare_trees(a, b), a):
     known = pair.known(d.path, pass_name) if d.kind == 'bits' else None
     if known is None:
       problems.append(str(d))
@@ -209,11 +210,20 @@ def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping
   if problems:
     more = [f'... and {len(problems) - 50} more'] if len(problems) > 50 else []
     raise AssertionError(
-        f'{pair.name}: {what} are not bit-identical: {len(problems)} leaf/leaves differ'
-        f' (values: {labels[0]} vs {labels[1]})\n  '
+        f'{pair.name}: {what} are not bit-identical: {len(problems)} leaf/leaves differ,'
+        f' scalars first (values: {labels[0]} vs {labels[1]})\n  '
         + '\n  '.join(problems[:50] + more)
     )
   return seen
+
+
+def _scalars_first(diffs: list[bitwise.LeafDiff], a: Mapping[str, Any]) -> list[bitwise.LeafDiff]:
+  """`diffs` with leaves missing on a side and scalars first (a step counter, a loss: one
+  differing scalar often explains every array after it), in path order within each."""
+  def rank(d: bitwise.LeafDiff) -> int:
+    return 0 if d.kind in ('missing', 'extra') else 1 if np.ndim(a[d.path]) == 0 else 2
+
+  return sorted(diffs, key=rank)
 
 
 def _with_localization(

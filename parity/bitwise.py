@@ -59,6 +59,11 @@ def _bits_detail(a: np.ndarray, b: np.ndarray, bits_a: np.ndarray, bits_b: np.nd
     width = a.dtype.itemsize
     ulps = np.abs(_ordered(bits_a[differ], width) - _ordered(bits_b[differ], width))
     parts.append(f'max ULP distance {int(ulps.max())}')
+    sign = 8 * width - 1
+    opposite = int(np.count_nonzero((bits_a[differ] >> sign) != (bits_b[differ] >> sign)))
+    if opposite:  # -1e-30 against +1e-30 is ~2e9 ULP apart; -0.0 against +0.0 is 0 ULP
+      parts.append(f'{opposite} of them of opposite sign (a ULP distance across zero counts'
+                   ' every float between: read the max abs diff)')
   elif np.issubdtype(a.dtype, np.integer):
     parts.append(f'max abs diff {int(np.max(np.abs(a[differ].astype(object) - b[differ].astype(object))))}')
   parts.append(

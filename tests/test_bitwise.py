@@ -41,6 +41,19 @@ def test_negative_zero_differs_from_positive_zero():
   assert compare_trees({'x': jnp.zeros(3, jnp.bfloat16)}, {'x': -jnp.zeros(3, jnp.bfloat16)})
 
 
+def test_a_difference_across_zero_says_so():
+  """Tiny values of opposite sign are billions of ULP apart (every float between them counts),
+  and -0.0 against +0.0 is 0 ULP apart: the detail names the elements of opposite sign."""
+  tiny = np.array([1e-30, 2.0, 0.0], np.float32)
+  detail = compare_trees({'x': tiny}, {'x': np.array([-1e-30, 2.0, -0.0], np.float32)})[0].detail
+  assert '2 of 3 elements differ' in detail and '2 of them of opposite sign' in detail, detail
+  assert 'max abs diff 2e-30' in detail, detail
+  same_sign = compare_trees({'x': tiny}, {'x': np.nextafter(tiny, np.float32(1))})[0].detail
+  assert 'opposite sign' not in same_sign, same_sign
+  half = compare_trees({'x': jnp.ones(2, jnp.bfloat16)}, {'x': -jnp.ones(2, jnp.bfloat16)})[0].detail
+  assert '2 of them of opposite sign' in half, half
+
+
 def test_nan_payloads_count():
   a = np.array([np.nan], np.float32)
   b = a.copy()

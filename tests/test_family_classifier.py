@@ -159,6 +159,28 @@ def test_a_declared_ulp_bound_does_not_cover_integers():
   ]
 
 
+def test_a_differing_scalar_is_listed_before_the_arrays_it_explains():
+  """A step counter that differs moves every parameter after it: the failure lists leaves
+  missing on a side first, then scalars, then arrays, so the counter is seen even when
+  more arrays differ than the message shows (50)."""
+  import numpy as np
+
+  from parity import battery
+
+  a = {f'params/layer_{i:02d}/w': np.zeros(3, np.float32) for i in range(60)}
+  b = {k: np.ones(3, np.float32) for k in a}
+  a['step'], b['step'] = np.int32(3), np.int32(4)
+  a['zz_only_linen'] = np.float32(0)
+  with pytest.raises(AssertionError) as e:
+    battery.compare(classifier, 'train', a, b, 'final states')
+  lines = str(e.value).splitlines()
+  assert '62 leaf/leaves differ, scalars first' in lines[0], lines[0]
+  assert lines[1].strip().startswith('zz_only_linen: missing'), lines[1]
+  assert lines[2].strip().startswith('step: bits: int32[]: 1 of 1 elements differ'), lines[2]
+  assert lines[3].strip().startswith('params/layer_00/w: bits'), lines[3]
+  assert lines[-1].strip() == '... and 12 more'
+
+
 @pytest.mark.xdist_group('parity-classifier')
 def test_parameters_flattened_in_one_order_get_no_order_hint():
   """conv1, bn1, ... sort as Conv_0, BatchNorm_0, ... do: nothing to say."""
