@@ -774,11 +774,14 @@ def _location_names(text: str) -> dict[str, str]:
 _JAX_SCOPES = frozenset({'checkpoint', 'rematted_computation'})
 
 
-def module_of(name: str) -> list[str]:
+def module_of(name: str, keep_first: bool = False) -> list[str]:
   """The module path in a name-stack string, its root module and the operation dropped.
 
   `transpose(jvp(Encoder))/layers_0/LayerNorm_0/mul` -> ['layers_0', 'LayerNorm_0'];
   a leading jitted function's name (`jit(apply)/Net/Dense_0/dot_general`) is not the root.
+  `keep_first`: the first component kept. Inside a scanned body (nn.scan,
+  nnx.scan) the name stack starts afresh at the stack's own name
+  (`layers/LayerNorm_0/add`, no root), and nothing in the string tells the two apart.
   """
   parts = name.split('/')
   while len(parts) > 1 and re.fullmatch(r'p?jit\(.*\)', parts[0]):
@@ -788,19 +791,25 @@ def module_of(name: str) -> list[str]:
   # the repeat and jax.checkpoint's own components are not modules.
   parts = parts[:1] + [p for p in parts[1:-1] if '(' not in p and p not in _JAX_SCOPES] + parts[-1:]
   parts = [re.sub(r'\)+$', '', re.sub(r'^(?:[\w.-]*\()+', '', p)) for p in parts]
-  return parts[1:-1]
+  return parts[0 if keep_first else 1:-1]
 
 
 def _mark_opaque(text: str, modules: tuple[str, ...]) -> str:
-  """Each operation located in one of `modules` marked (its location replaced by the marker)."""
+  """Each operation located in one of `modules` marked (its location replaced by the marker).
+
+  A module path matches the name stack read below the root, or from its
+  first component: an operation of a scanned body is named from the stack
+  (`layers/LayerNorm_0/add` for `layers/LayerNorm_0`, see `module_of`).
+  """
   wanted = [(m, m.split('/')) for m in modules]
   names = _location_names(text)
   out = []
   for line in text.splitlines():
     m = _TRAILING_LOC.search(line)
     if m and not _LOC_ALIAS.match(line):
-      path = module_of(names.get(m.group(1), ''))
-      hit = next((module for module, parts in wanted if path[:len(parts)] == parts), None)
+      name = names.get(m.group(1), '')
+      found = (module_of(name), module_of(name, keep_first=True))
+      hit = next((module for module, parts in wanted if any(p[:len(parts)] == parts for p in found)), None)
       if hit is not None:
         line = line[:m.start()] + f' \u27e6opaque {hit}\u27e7'
     out.append(line)

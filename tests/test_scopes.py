@@ -162,3 +162,82 @@ def test_a_declared_module_inside_remat_is_confined_on_both_sides():
   assert d.identical, d.diff
   assert programs.module_of('jit(f)/transpose(jvp(Net))/jvp(Net)/checkpoint/rematted_computation/'
                             'blocks_0/LayerNorm_0/add') == ['blocks_0', 'LayerNorm_0']
+
+
+LAYERS = 3
+
+
+class LinenBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return nn.Dense(4)(nn.LayerNorm()(x)), None
+
+
+class LinenStack(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(LinenBlock, variable_axes={'params': 0}, split_rngs={'params': True}, length=LAYERS)
+    return stack(name='layers')(x, None)[0]
+
+
+class NnxBlock(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.norm = nnx.LayerNorm(4, rngs=rngs)
+    self.dense = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dense(self.norm(x))
+
+
+class NnxStack(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return NnxBlock(rngs)
+
+    self.layers = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, block):
+      return block(x)
+
+    return body(x, self.layers)
+
+
+def test_a_declared_module_inside_a_scanned_stack_is_confined_on_both_sides():
+  """nn.scan against nnx.scan over nnx.vmap-made blocks of the stock norm and dense, forward
+  and backward lowered.
+
+  nnx.scan calls copies of the blocks (nnx.merge), which carry their
+  originals' path tags: their operations are named as Linen names its own
+  (`layers/LayerNorm_0/...`: inside a scanned body the name stack starts at the
+  stack, with no root), so the norm declared by its path is left out on both
+  sides, and what remains is identical. The dense declared instead leaves the
+  norms compared: the programs differ.
+  """
+  def loss(apply):
+    return lambda p, x: jnp.sum(apply(p, x))
+
+  model = LinenStack()
+  params = model.init(jax.random.key(0), X)
+  linen = jax.jit(jax.grad(loss(model.apply))).lower(params, X).as_text(debug_info=True)
+  nnx_model = NnxStack(nnx.Rngs(0))
+  graphdef, state = nnx.split(nnx_model)
+  step = jax.jit(jax.grad(loss(lambda s, x: nnx.merge(graphdef, s)(x))))
+  rename = lambda p: '/'.join(RENAMES.get(c, c) for c in p.split('/'))
+  with compat.fresh_trace(), scopes.nnx_module_scopes(nnx_model, rename):
+    nnx_text = step.lower(state, X).as_text(debug_info=True)
+
+  def body_modules(text):  # the modules of the operations named inside the scanned body
+    names = programs._location_names(text).values()
+    return {tuple(programs.module_of(n, keep_first=True)) for n in names if n.startswith('layers/')}
+
+  assert body_modules(linen) == {('layers', 'LayerNorm_0'), ('layers', 'Dense_0')}
+  assert body_modules(nnx_text) == body_modules(linen)
+  assert not programs.diff(linen, nnx_text).identical  # the premise: the stock norms differ
+  d = programs.diff(linen, nnx_text, opaque_modules=('layers/LayerNorm_0',))
+  assert d.identical, d.diff
+  assert not programs.diff(linen, nnx_text, opaque_modules=('layers/Dense_0',)).identical
+  assert programs.module_of('layers/LayerNorm_0/add', keep_first=True) == ['layers', 'LayerNorm_0']
