@@ -770,8 +770,10 @@ def _location_names(text: str) -> dict[str, str]:
   return {alias: name(alias) for alias in bodies}
 
 
-# Name-stack components jax.checkpoint (nn.remat, nnx.remat) adds inside a module's path.
-_JAX_SCOPES = frozenset({'checkpoint', 'rematted_computation'})
+# Name-stack components jax adds inside a module's path: jax.checkpoint's (nn.remat,
+# nnx.remat), and a scan body's where it is inlined (jax 0.12: `while/body/eval_jaxpr/`).
+_JAX_SCOPES = frozenset({'checkpoint', 'rematted_computation', 'eval_jaxpr'})
+_LOOP_SCOPES = ('body', 'cond')  # after 'while'
 
 
 def module_of(name: str, keep_first: bool = False) -> list[str]:
@@ -780,8 +782,11 @@ def module_of(name: str, keep_first: bool = False) -> list[str]:
   `transpose(jvp(Encoder))/layers_0/LayerNorm_0/mul` -> ['layers_0', 'LayerNorm_0'];
   a leading jitted function's name (`jit(apply)/Net/Dense_0/dot_general`) is not the root.
   `keep_first`: the first component kept. Inside a scanned body (nn.scan,
-  nnx.scan) the name stack starts afresh at the stack's own name
-  (`layers/LayerNorm_0/add`, no root), and nothing in the string tells the two apart.
+  nnx.scan) lowered as a function of its own (jax 0.10), the name stack starts
+  afresh at the stack's own name (`layers/LayerNorm_0/add`, no root), and
+  nothing in the string tells the two apart; where the body is inlined (jax
+  0.12: `jvp(Net)/while/body/eval_jaxpr/layers/LayerNorm_0/add`), the loop's
+  components are not modules.
   """
   parts = name.split('/')
   while len(parts) > 1 and re.fullmatch(r'p?jit\(.*\)', parts[0]):
@@ -789,7 +794,12 @@ def module_of(name: str, keep_first: bool = False) -> list[str]:
   # Inside a rematerialised body the name stack repeats the root under the
   # transpose (`transpose(jvp(Net))/jvp(Net)/checkpoint/rematted_computation/...`):
   # the repeat and jax.checkpoint's own components are not modules.
-  parts = parts[:1] + [p for p in parts[1:-1] if '(' not in p and p not in _JAX_SCOPES] + parts[-1:]
+  middle = []
+  for i, p in enumerate(parts[1:-1], 1):
+    loop = (p == 'while' and parts[i + 1] in _LOOP_SCOPES) or (p in _LOOP_SCOPES and parts[i - 1] == 'while')
+    if '(' not in p and p not in _JAX_SCOPES and not loop:
+      middle.append(p)
+  parts = parts[:1] + middle + parts[-1:]
   parts = [re.sub(r'\)+$', '', re.sub(r'^(?:[\w.-]*\()+', '', p)) for p in parts]
   return parts[0 if keep_first else 1:-1]
 
