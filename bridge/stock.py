@@ -4,8 +4,10 @@ For a user's own Linen/NNX pair built from stock pieces: a Linen
 `flax.training.train_state.TrainState` (optionally with extra collection
 fields such as `batch_stats`) and the NNX state of `(model, nnx.Optimizer)`.
 The checkpoint layout is the Linen one, flat: `step`, `params/<path>`,
-`<collection>/<path>` for each extra collection, and `opt_state/<...>/<path>`
-for each optimizer leaf mirroring a parameter. An NNX variable's collection
+`<collection>/<path>` for each extra collection, `opt_state/<...>/<path>`
+for each optimizer leaf mirroring a parameter, and `<field>/<...>/<path>` for
+each optimizer attribute declared to hold more (an EMA of the parameters in
+`nnx.Optimizer.ema` against a TrainState field `ema_params`). An NNX variable's collection
 is given by its type (`nnx.Param` -> `params`, `nnx.BatchStat` ->
 `batch_stats`, ...), and its module path is renamed by `Renames` (Linen's
 automatic `Conv_0` against NNX's attribute `conv1`).
@@ -93,27 +95,38 @@ def nnx_to_checkpoint(
     nnx_template: Any | None = None,
     collections=DEFAULT_COLLECTIONS,
     convert=True,
+    fields: tuple[tuple[str, str], ...] = (),
 ) -> dict[str, Any]:
   """The checkpoint layout of the NNX state of `(model, optimizer)`.
 
   `nnx_tree` may hold arrays or any other leaves shaped like the state (for
   example shardings; then pass `convert=False` and the state as `nnx_template`).
+  `fields`: `(optimizer attribute, train-state field)` pairs; the leaves at
+  `1/<attribute>/...` go to `<field>/...`, a parameter path in them renamed
+  (an EMA of the parameters: `1/ema/conv1/kernel` -> `ema_params/Conv_0/kernel`).
   """
   types = _variable_types(nnx_tree if nnx_template is None else nnx_template)
   flat = paths.flatten(nnx_tree)
   param_paths = {p[2:] for p, t in types.items() if p.startswith('0/') and issubclass(t, nnx.Param)}
+  to_field = dict(fields)
+
+  def mirrored(rest: str) -> str:  # a parameter path at the end of `rest` renamed
+    p = rest if rest in param_paths else param_suffix(rest, param_paths)
+    return rest if p is None else rest[: len(rest) - len(p)] + renames.to_linen(p)
+
   out: dict[str, Any] = {}
   extra: dict[str, list[str]] = {}  # leaves of neither the model nor nnx.Optimizer, by attribute
   for path, x in flat.items():
+    attribute = path.split('/')[1] if path.startswith('1/') else None
     if path.startswith('0/'):
       p = path[2:]
       out[_collection(path, types[path], collections) + '/' + renames.to_linen(p)] = x
     elif path == '1/step':
       out['step'] = convert_step(x, LINEN_STEP_DTYPE) if convert else x
     elif path.startswith('1/opt_state/'):
-      rest = path[2:]
-      p = param_suffix(rest, param_paths)
-      out[rest if p is None else rest[: len(rest) - len(p)] + renames.to_linen(p)] = x
+      out[mirrored(path[2:])] = x
+    elif attribute in to_field:
+      out[to_field[attribute] + '/' + mirrored(path[len(attribute) + 3:])] = x
     else:
       extra.setdefault('/'.join(path.split('/')[:2]), []).append(path)
   if extra:
@@ -121,18 +134,20 @@ def nnx_to_checkpoint(
         Problem(leaves[0], 'extra',
                 "a model leaf (0/...) or nnx.Optimizer's step (1/step) or opt_state (1/opt_state/...)",
                 f'{attribute} ({len(leaves)} leaves): the stock NNX side carries those alone; an'
-                ' optimizer (or state) holding more, such as EMA copies of the parameters, needs a'
-                ' side of its own (parity.adapter.Side)')
+                ' optimizer attribute holding more, such as EMA copies of the parameters, is declared'
+                f" with the train-state field it is stored in (StockNnx(optimizer_fields=(('{attribute[2:]}',"
+                " 'ema_params'),))); other state needs a side of its own (parity.adapter.Side)")
         for attribute, leaves in extra.items()
     ])
   return out
 
 
 def checkpoint_to_nnx(
-    flat: Mapping[str, Any], nnx_template: Any, renames: Renames, collections=DEFAULT_COLLECTIONS
+    flat: Mapping[str, Any], nnx_template: Any, renames: Renames, collections=DEFAULT_COLLECTIONS,
+    fields: tuple[tuple[str, str], ...] = (),
 ) -> Any:
   """An NNX `(model, optimizer)` state shaped like `nnx_template`, from the checkpoint layout."""
-  wanted = nnx_to_checkpoint(nnx_template, renames, collections=collections, convert=False)
+  wanted = nnx_to_checkpoint(nnx_template, renames, collections=collections, convert=False, fields=fields)
   # Invert the mapping by the template's own paths: every checkpoint path has one NNX path.
   back = dict(zip(wanted, paths.flatten(nnx_template)))
   out = {}

@@ -248,6 +248,9 @@ class StockNnx(_Stock):
   rules: tuple[tuple[str, Any], ...] | None = None  # logical axis rules (None: replicate the state)
   name: str = 'nnx'
   collections: tuple[tuple[type, str], ...] = bridge_stock.DEFAULT_COLLECTIONS
+  # (optimizer attribute, Linen train-state field): what the optimizer holds besides
+  # step and opt_state, e.g. (('ema', 'ema_params'),) (bridge.stock.nnx_to_checkpoint).
+  optimizer_fields: tuple[tuple[str, str], ...] = ()
 
   @functools.cached_property
   def _abstract(self):
@@ -308,14 +311,17 @@ class StockNnx(_Stock):
 
   def _checkpoint_leaves(self, tree) -> dict[str, Any]:
     return bridge_stock.nnx_to_checkpoint(
-        tree, self.renames, nnx_template=self.template, collections=self.collections, convert=False
+        tree, self.renames, nnx_template=self.template, collections=self.collections, convert=False,
+        fields=self.optimizer_fields,
     )
 
   def to_checkpoint(self, state) -> dict[str, Any]:
-    return bridge_stock.nnx_to_checkpoint(state, self.renames, collections=self.collections)
+    return bridge_stock.nnx_to_checkpoint(
+        state, self.renames, collections=self.collections, fields=self.optimizer_fields)
 
   def from_checkpoint(self, flat) -> Any:
-    return self.place(bridge_stock.checkpoint_to_nnx(flat, self.template, self.renames, self.collections))
+    return self.place(bridge_stock.checkpoint_to_nnx(
+        flat, self.template, self.renames, self.collections, self.optimizer_fields))
 
   def _logical_specs(self) -> Any:
     return nnx.get_partition_spec(self.template)
