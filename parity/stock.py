@@ -231,7 +231,8 @@ class StockNnx(_Stock):
 
   create(seed) -> (model, optimizer); train_step(model, optimizer, batch,
   dropout_base) -> metrics (updating both in place); eval_step(model,
-  batch) -> metrics; loss(model, batch, dropout_key) -> loss. `renames`
+  batch) -> metrics (`eval_step(model, optimizer, batch)` with
+  `eval_sees_optimizer`); loss(model, batch, dropout_key) -> loss. `renames`
   maps NNX module paths to Linen's in the checkpoint layout; `collections`
   maps each NNX variable type of the model to the Linen collection (train
   state field) it is stored in (default: `nnx.Param` -> params,
@@ -251,6 +252,9 @@ class StockNnx(_Stock):
   # (optimizer attribute, Linen train-state field): what the optimizer holds besides
   # step and opt_state, e.g. (('ema', 'ema_params'),) (bridge.stock.nnx_to_checkpoint).
   optimizer_fields: tuple[tuple[str, str], ...] = ()
+  # eval_step(model, optimizer, batch) instead of eval_step(model, batch): an eval of
+  # what the optimizer holds (an EMA), as a Linen eval_step sees the whole TrainState.
+  eval_sees_optimizer: bool = False
 
   @functools.cached_property
   def _abstract(self):
@@ -293,7 +297,9 @@ class StockNnx(_Stock):
   @functools.cached_property
   def _eval_step(self):
     def fn(state, batch):
-      model, _ = self._merge(state)
+      model, optimizer = self._merge(state)
+      if self.eval_sees_optimizer:
+        return self.eval_step_fn(model, optimizer, batch)
       return self.eval_step_fn(model, batch)
 
     return self._jit(fn, state_out=False)

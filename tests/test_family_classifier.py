@@ -357,18 +357,31 @@ def _nnx_ema_step(model, optimizer, batch, dropout_base):
   return metrics
 
 
+def _linen_ema_eval(state, batch):  # the EMA evaluated
+  return linen_classifier.eval_step(state.replace(params=state.ema_params), batch)
+
+
+def _nnx_ema_eval(model, optimizer, batch):
+  from flax import nnx
+
+  ema = jax.tree.map(lambda e: e[...], optimizer.ema, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  nnx.update(model, ema)
+  return nnx_classifier.eval_step(model, batch)
+
+
 def _ema_sides(mesh, fields=(('ema', 'ema_params'),)):
-  linen = StockLinen(_linen_ema_state, _linen_ema_step, linen_classifier.eval_step,
+  linen = StockLinen(_linen_ema_state, _linen_ema_step, _linen_ema_eval,
                      linen_classifier.loss_fn, has_aux=True, mesh=mesh)
-  nnx_side = StockNnx(_nnx_ema_state, _nnx_ema_step, nnx_classifier.eval_step, nnx_classifier.loss_fn,
-                      renames=RENAMES, mesh=mesh, optimizer_fields=fields)
+  nnx_side = StockNnx(_nnx_ema_state, _nnx_ema_step, _nnx_ema_eval, nnx_classifier.loss_fn,
+                      renames=RENAMES, mesh=mesh, optimizer_fields=fields, eval_sees_optimizer=True)
   return linen, nnx_side
 
 
 def test_an_optimizer_attribute_declared_with_its_field_is_carried_bit_for_bit():
   """The EMA crosses between the sides as `ema_params/<Linen path>` (renamed like the
   parameters), both ways, and two steps from either side's start agree bit for bit,
-  the EMA included; declared under another field, the structures differ by it."""
+  the EMA included, as does an eval of the EMA (the NNX eval step given the optimizer);
+  declared under another field, the structures differ by it."""
   from parity import battery
 
   ema = Pair('ema', _ema_sides, functools.partial(classifier_batch, CFG), steps=2)
@@ -378,6 +391,7 @@ def test_an_optimizer_attribute_declared_with_its_field_is_carried_bit_for_bit()
   assert 'ema_params/Conv_0/kernel' in start and 'ema_params/BatchNorm_0/scale' in start
   battery.check_train(ema, 'linen')
   battery.check_train(ema, 'nnx')
+  battery.check_eval(ema)
   misnamed = Pair('misnamed', functools.partial(_ema_sides, fields=(('ema', 'ema'),)),
                   functools.partial(classifier_batch, CFG))
   with pytest.raises(AssertionError, match=r'ema/Conv_0/kernel'):
