@@ -137,6 +137,21 @@ class NnxRemat(NnxNet):
     return self.dense(nnx.remat(lambda norm, x: norm(x))(self.norm, x))
 
 
+def _gradient_texts(linen_model: nn.Module, nnx_model: nnx.Module) -> tuple[str, str]:
+  """The gradient of the sum of each model's output, lowered with debug locations; the NNX
+  module calls named by their Linen paths (each path component renamed by RENAMES)."""
+  def loss(apply):
+    return lambda p, x: jnp.sum(apply(p, x))
+
+  params = linen_model.init(jax.random.key(0), X)
+  linen = jax.jit(jax.grad(loss(linen_model.apply))).lower(params, X).as_text(debug_info=True)
+  graphdef, state = nnx.split(nnx_model)
+  step = jax.jit(jax.grad(loss(lambda s, x: nnx.merge(graphdef, s)(x))))
+  rename = lambda p: '/'.join(RENAMES.get(c, c) for c in p.split('/'))
+  with compat.fresh_trace(), scopes.nnx_module_scopes(nnx_model, rename):
+    return linen, step.lower(state, X).as_text(debug_info=True)
+
+
 def test_a_declared_module_inside_remat_is_confined_on_both_sides():
   """nn.remat and nnx.remat around the stock norm, forward and backward lowered.
 
@@ -146,17 +161,7 @@ def test_a_declared_module_inside_remat_is_confined_on_both_sides():
   name-stack components, which are not modules. With the norm left out, the
   two programs are identical.
   """
-  def loss(apply):
-    return lambda p, x: jnp.sum(apply(p, x))
-
-  model = LinenRemat()
-  params = model.init(jax.random.key(0), X)
-  linen = jax.jit(jax.grad(loss(model.apply))).lower(params, X).as_text(debug_info=True)
-  nnx_model = NnxRemat(nnx.Rngs(0))
-  graphdef, state = nnx.split(nnx_model)
-  step = jax.jit(jax.grad(loss(lambda s, x: nnx.merge(graphdef, s)(x))))
-  with compat.fresh_trace(), scopes.nnx_module_scopes(nnx_model, lambda p: RENAMES.get(p, p)):
-    nnx_text = step.lower(state, X).as_text(debug_info=True)
+  linen, nnx_text = _gradient_texts(LinenRemat(), NnxRemat(nnx.Rngs(0)))
   assert not programs.diff(linen, nnx_text).identical  # the premise: the stock norms differ
   d = programs.diff(linen, nnx_text, opaque_modules=('LayerNorm_0',))
   assert d.identical, d.diff
@@ -217,18 +222,7 @@ def test_a_declared_module_inside_a_scanned_stack_is_confined_on_both_sides():
   sides, and what remains is identical. The dense declared instead leaves the
   norms compared: the programs differ.
   """
-  def loss(apply):
-    return lambda p, x: jnp.sum(apply(p, x))
-
-  model = LinenStack()
-  params = model.init(jax.random.key(0), X)
-  linen = jax.jit(jax.grad(loss(model.apply))).lower(params, X).as_text(debug_info=True)
-  nnx_model = NnxStack(nnx.Rngs(0))
-  graphdef, state = nnx.split(nnx_model)
-  step = jax.jit(jax.grad(loss(lambda s, x: nnx.merge(graphdef, s)(x))))
-  rename = lambda p: '/'.join(RENAMES.get(c, c) for c in p.split('/'))
-  with compat.fresh_trace(), scopes.nnx_module_scopes(nnx_model, rename):
-    nnx_text = step.lower(state, X).as_text(debug_info=True)
+  linen, nnx_text = _gradient_texts(LinenStack(), NnxStack(nnx.Rngs(0)))
 
   def body_modules(text):  # the modules of the operations named inside the scanned body
     found = [(programs.module_of(n), programs.module_of(n, keep_first=True))
