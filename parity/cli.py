@@ -257,7 +257,14 @@ def _load_pair(spec: str):
         raise BadInput(f'--pair {spec}: no file {where}')
       module_spec = importlib.util.spec_from_file_location(f'_parity_pair_{abs(hash(where))}', where)
       module = importlib.util.module_from_spec(module_spec)
-      module_spec.loader.exec_module(module)
+      # Registered while it runs, as an import is: a dataclass (a flax struct, a TrainState
+      # subclass) reads its module's namespace from sys.modules to resolve string annotations.
+      sys.modules[module_spec.name] = module
+      try:
+        module_spec.loader.exec_module(module)
+      except BaseException:
+        del sys.modules[module_spec.name]
+        raise
     else:
       module = importlib.import_module(where)
   except ImportError as e:

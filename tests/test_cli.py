@@ -278,6 +278,22 @@ def test_a_bad_pair_is_one_clear_error(spec, message, capsys):
   assert message in capsys.readouterr().err
 
 
+def test_a_pair_file_defining_a_dataclass_loads(tmp_path):
+  """A pair's file is run as a module is imported: a dataclass in it with string annotations
+  (a TrainState subclass holding an EMA) resolves them through sys.modules."""
+  pair_file = tmp_path / 'my_pair.py'
+  pair_file.write_text(
+      'from __future__ import annotations\n'
+      'import dataclasses\n'
+      'from parity.adapter import Pair\n'
+      '@dataclasses.dataclass\n'
+      'class State:\n'
+      '  ema: int = 0\n'
+      'pair = Pair("mine", lambda mesh: None, lambda step, split="train": {})\n'
+  )
+  assert cli._load_pair(f'{pair_file}:pair').name == 'mine'
+
+
 def test_compare_without_the_program_check_says_not_compared(capsys, tmp_path):
   """`--no-program-check`: the numbers and memory are compared, the programs are not."""
   report = tmp_path / 'report.json'
