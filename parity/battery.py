@@ -556,12 +556,13 @@ def check_program(pair: adapter.Pair) -> list[str]:
         + ('' if known is None else
            f' (declared bound {known.max_changed_lines} lines in {", ".join(known.paths)}:'
            f' {known.reason}{where})')
-        + f'\n{d.diff}'
+        + ''.join(f'\n{line}' for line in d.parting_lines()) + f'\n{d.diff}'
     )
   raise AssertionError(
       f'{pair.name}: the programs differ outside the modules declared ({", ".join(known.paths)}):'
       f' {outside.summary()} (their operations left out; an NNX side names its module calls'
-      f' for this, parity/scopes.py)\n{outside.diff}'
+      f' for this, parity/scopes.py)' + ''.join(f'\n{line}' for line in outside.parting_lines())
+      + f'\n{outside.diff}'
   )
 
 

@@ -981,6 +981,10 @@ class ProgramDiff:
   first_linen: str = ''  # the first differing canonical line, each side
   first_nnx: str = ''
   allowed: list[str] = dataclasses.field(default_factory=list)  # names of ALLOWED entries applied
+  # Where the programs part (`_parting`): each side's first operations (up to 3) of
+  # values only it computes, from operands both compute; [] when identical.
+  parting_linen: list[str] = dataclasses.field(default_factory=list)
+  parting_nnx: list[str] = dataclasses.field(default_factory=list)
   loop_order: str = ''  # `loop_order_difference` where the canonical programs are identical
   # Where they differ: a loop carrying the same values in another order, if one does.
   loop_reorder: str = ''
@@ -997,6 +1001,11 @@ class ProgramDiff:
         ' lines changed' + (f'; besides, {self.loop_reorder}' if self.loop_reorder else '')
     )
 
+  def parting_lines(self) -> list[str]:
+    """Where the programs part (`_parting`), a line per operation."""
+    return [f'where they part, {side}: {op}'
+            for side, ops in (('Linen', self.parting_linen), ('NNX', self.parting_nnx)) for op in ops]
+
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
 
@@ -1012,6 +1021,40 @@ def _clip(line: str, width: int, start: int = 0) -> str:
 
 def _first_difference(a: str, b: str) -> int:
   return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _parting(a: list[str], b: list[str], most: int = 3) -> tuple[list[int], list[int]]:
+  """Where two canonical programs part: on each side, the operations defining values only
+  it has from operands both have (arguments, block arguments, values both compute).
+
+  Every other differing operation depends on one of these. The first differing
+  line does not tell them apart: statements ready at once are ordered by their
+  hashes, so it may be any operation that differs. A changed constant is one
+  (it has no operands); an operation added on one side makes its users on
+  the other read one value otherwise, so those show too. At most `most` per
+  side, in canonical order, calls last; their line indices (names whole, as canonicalize writes them).
+  """
+  def defined(lines):
+    out = []
+    for line in lines:
+      lhs, sep, rhs = line.partition(' = ')
+      names = _VALUE_TOKEN.findall(lhs) if sep and lhs.lstrip().startswith('%') else []
+      out.append((names, _VALUE_TOKEN.findall(rhs) if names else []))
+    return out
+
+  ours_a, ours_b = defined(a), defined(b)
+  values_a = {n for names, _ in ours_a for n in names}
+  values_b = {n for names, _ in ours_b for n in names}
+  shared = values_a & values_b
+
+  def first(lines, ours, other):
+    found = [i for i, (names, operands) in enumerate(ours)
+             if names and not set(names) & other and set(operands) <= shared]
+    # A call of a function that differs is where they part only because of what the
+    # function does inside, whose own parting operations are found too: those first.
+    return sorted(found, key=lambda i: ' call @' in lines[i] or ' func.call @' in lines[i])[:most]
+
+  return first(a, ours_a, values_b), first(b, ours_b, values_a)
 
 
 def _clip_diff(lines: list[str], width: int) -> list[str]:
@@ -1073,9 +1116,12 @@ def diff(
   first_a = a[i1].strip() if i1 < i2 else ''
   first_b = b[j1].strip() if j1 < j2 else ''
   start = _first_difference(first_a, first_b)
+  parting = _parting(full[0].splitlines(), full[1].splitlines())
   return ProgramDiff(
       False, i1 + 1, len(a), len(b), changed, '\n'.join(lines),
       first_linen=_clip(first_a, width, start), first_nnx=_clip(first_b, width, start),
+      parting_linen=[_clip(a[i].strip(), width) for i in parting[0]],
+      parting_nnx=[_clip(b[i].strip(), width) for i in parting[1]],
       allowed=allowed_names, loop_reorder=loop_order_difference(linen_text, nnx_text, reorder_only=True),
   )
 

@@ -249,6 +249,7 @@ class Report:
     if not d.identical and not d.loop_order:
       lines.append(f'  first difference, Linen: {d.first_linen or "(nothing)"}')
       lines.append(f'  first difference, NNX:   {d.first_nnx or "(nothing)"}')
+      lines += ['  ' + line for line in d.parting_lines()]
     return lines
 
   # -- renderings ------------------------------------------------------------

@@ -112,6 +112,11 @@ def test_a_program_over_its_declared_bound_says_where_it_differs(paths, where):
     battery.check_program(dataclasses.replace(classifier, known_differences=(tight,)))
   assert f'(declared bound 10 lines in {", ".join(paths)}: ' in str(e.value)
   assert where in str(e.value).splitlines()[0], str(e.value).splitlines()[0]
+  # Where they part: the batch norm's statistics expanded in Linen, reshaped in NNX (the
+  # first differing line is a function's signature, whose result types come in another order).
+  parting = [line for line in str(e.value).splitlines() if line.startswith('where they part')]
+  assert 'stablehlo.broadcast_in_dim' in parting[0] and parting[0].startswith('where they part, Linen:')
+  assert any(l.startswith('where they part, NNX:') and 'stablehlo.reshape' in l for l in parting), parting
 
 
 @pytest.mark.xdist_group('parity-classifier')

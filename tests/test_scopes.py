@@ -239,3 +239,17 @@ def test_a_declared_module_inside_a_scanned_stack_is_confined_on_both_sides():
   assert programs.module_of('jit(f)/transpose(jvp(Net))/while/body/eval_jaxpr/layers/LayerNorm_0/add') == [
       'layers', 'LayerNorm_0']  # jax 0.12: the body inlined
   assert programs.module_of('jvp(Net)/while/Dense_0/add') == ['while', 'Dense_0']  # a module named while
+
+
+def test_where_two_programs_part_is_named():
+  """An NNX step that multiplies its input by 1.0 first: every operation after that differs,
+  and the first differing line may be any of them (ready statements are ordered by hash).
+  Where they part is the one NNX operation of values both compute, the constant 1.0, and
+  on the Linen side the operations that read the input the NNX side reads multiplied."""
+  d = programs.diff(_linen_text(), _nnx_text('before'))
+  assert not d.identical
+  assert [line.split(' = ', 1)[1] for line in d.parting_nnx] == ['stablehlo.constant dense<1.000000e+00> : tensor<f32>']
+  assert d.parting_linen and all('%a0' in line for line in d.parting_linen), d.parting_linen
+  assert d.parting_lines()[-1] == 'where they part, NNX: ' + d.parting_nnx[0]
+  same = programs.diff(_linen_text(), _linen_text())
+  assert same.identical and same.parting_linen == same.parting_nnx == []
