@@ -133,11 +133,11 @@ def nnx_to_checkpoint(
     raise TreeMismatchError('NNX train state', [
         Problem(leaves[0], 'extra',
                 "a model leaf (0/...) or nnx.Optimizer's step (1/step) or opt_state (1/opt_state/...)",
-                f'{attribute} ({len(leaves)} leaves): the stock NNX side carries those alone; an'
+                f'{prefix} ({len(leaves)} leaves): the stock NNX side carries those alone; an'
                 ' optimizer attribute holding more, such as EMA copies of the parameters, is declared'
-                f" with the train-state field it is stored in (StockNnx(optimizer_fields=(('{attribute[2:]}',"
+                f" with the train-state field it is stored in (StockNnx(optimizer_fields=(('{prefix[2:]}',"
                 " 'ema_params'),))); other state needs a side of its own (parity.adapter.Side)")
-        for attribute, leaves in extra.items()
+        for prefix, leaves in extra.items()
     ])
   return out
 

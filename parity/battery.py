@@ -141,7 +141,7 @@ class _Runs:
       parts[key] = parts.get(key, 0) + 1
     shown = ', '.join(f'{k} ({n})' for k, n in list(parts.items())[:8])
     more = f' and {len(parts) - 8} more' if len(parts) > 8 else ''
-    scalars = [str(d) for d in _scalars_first(diffs, after[0]) if d.kind == 'bits' and np.ndim(after[0][d.path]) == 0][:3]
+    scalars = [str(d) for d in diffs if _is_scalar(d, after[0])][:3]
     return [f'after step {step}, from the same state, the states differ in {len(diffs)} leaves:'
             f' {shown}{more}' + (f'; scalars: {"; ".join(scalars)}' if scalars else '')]
 
@@ -217,13 +217,15 @@ def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping
   return seen
 
 
+def _is_scalar(d: bitwise.LeafDiff, a: Mapping[str, Any]) -> bool:
+  """Whether `d` is a leaf of both sides that is a scalar in `a` (the first side's flat tree)."""
+  return d.kind not in ('missing', 'extra') and np.ndim(a[d.path]) == 0
+
+
 def _scalars_first(diffs: list[bitwise.LeafDiff], a: Mapping[str, Any]) -> list[bitwise.LeafDiff]:
   """`diffs` with leaves missing on a side and scalars first (a step counter, a loss: one
   differing scalar often explains every array after it), in path order within each."""
-  def rank(d: bitwise.LeafDiff) -> int:
-    return 0 if d.kind in ('missing', 'extra') else 1 if np.ndim(a[d.path]) == 0 else 2
-
-  return sorted(diffs, key=rank)
+  return sorted(diffs, key=lambda d: 0 if d.kind in ('missing', 'extra') else 1 if _is_scalar(d, a) else 2)
 
 
 def _with_localization(

@@ -263,7 +263,7 @@ def _load_pair(spec: str):
       try:
         module_spec.loader.exec_module(module)
       except BaseException:
-        del sys.modules[module_spec.name]
+        sys.modules.pop(module_spec.name, None)
         raise
     else:
       module = importlib.import_module(where)

@@ -1023,6 +1023,9 @@ def _first_difference(a: str, b: str) -> int:
   return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+_CALL = re.compile(r'\bcall @')  # `call @f...` and `func.call @f...`
+
+
 def _parting(a: list[str], b: list[str], most: int = 3) -> tuple[list[int], list[int]]:
   """Where two canonical programs part: on each side, the operations defining values only
   it has from operands both have (arguments, block arguments, values both compute).
@@ -1052,7 +1055,7 @@ def _parting(a: list[str], b: list[str], most: int = 3) -> tuple[list[int], list
              if names and not set(names) & other and set(operands) <= shared]
     # A call of a function that differs is where they part only because of what the
     # function does inside, whose own parting operations are found too: those first.
-    return sorted(found, key=lambda i: ' call @' in lines[i] or ' func.call @' in lines[i])[:most]
+    return sorted(found, key=lambda i: _CALL.search(lines[i]) is not None)[:most]
 
   return first(a, ours_a, values_b), first(b, ours_b, values_a)
 

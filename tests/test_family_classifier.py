@@ -341,6 +341,12 @@ def _linen_ema_step(state, batch, dropout_base):
   return state.replace(ema_params=ema), metrics
 
 
+def _is_variable(x):
+  from flax import nnx
+
+  return isinstance(x, nnx.Variable)
+
+
 def _nnx_ema_state(seed):
   from flax import nnx
 
@@ -355,10 +361,9 @@ def _nnx_ema_step(model, optimizer, batch, dropout_base):
 
   metrics = nnx_classifier.train_step(model, optimizer, batch, dropout_base)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  is_variable = lambda x: isinstance(x, nnx.Variable)
   ema = jax.tree.map(lambda e, p: EMA_DECAY * e[...] + (1 - EMA_DECAY) * p, optimizer.ema, params,
-                     is_leaf=is_variable)
-  jax.tree.map(lambda e, x: e.__setitem__(..., x), optimizer.ema, ema, is_leaf=is_variable)
+                     is_leaf=_is_variable)
+  jax.tree.map(lambda e, x: e.__setitem__(..., x), optimizer.ema, ema, is_leaf=_is_variable)
   return metrics
 
 
@@ -369,7 +374,7 @@ def _linen_ema_eval(state, batch):  # the EMA evaluated
 def _nnx_ema_eval(model, optimizer, batch):
   from flax import nnx
 
-  ema = jax.tree.map(lambda e: e[...], optimizer.ema, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  ema = jax.tree.map(lambda e: e[...], optimizer.ema, is_leaf=_is_variable)
   nnx.update(model, ema)
   return nnx_classifier.eval_step(model, batch)
 
@@ -391,7 +396,7 @@ def test_an_optimizer_attribute_declared_with_its_field_is_carried_bit_for_bit()
 
   ema = Pair('ema', _ema_sides, functools.partial(classifier_batch, CFG), steps=2)
   battery.check_structure(ema)
-  linen, nnx_side = _ema_sides(None)
+  linen, _ = _ema_sides(None)
   start = linen.to_checkpoint(linen.init(0))
   assert 'ema_params/Conv_0/kernel' in start and 'ema_params/BatchNorm_0/scale' in start
   battery.check_train(ema, 'linen')
