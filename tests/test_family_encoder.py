@@ -24,6 +24,7 @@ import functools
 
 import pytest
 
+from bridge import specs
 from bridge.stock import Renames
 from models.families import ENCODER_RULES, EncoderConfig, encoder_batch
 from models.linen import encoder as linen_encoder
@@ -142,3 +143,62 @@ def test_parameters_flattened_in_another_order_are_named():
   assert line.startswith('the sides flatten their parameters in different orders (parameter 0:'
                          ' Linen params/Dense_0/bias, NNX params/Embed_0/embedding)'), line
   assert 'optax.clip_by_global_norm' in line
+
+
+def _sides_with_their_own_rules(linen_rules, nnx_rules, mesh):
+  """The encoder's sides, each placing its state by the rules given it here."""
+  linen, nnx_side = make_sides(CFG, mesh)
+  return dataclasses.replace(linen, rules=linen_rules), dataclasses.replace(nnx_side, rules=nnx_rules)
+
+
+MLP_REPLICATED = tuple(('mlp', None) if name == 'mlp' else (name, axis) for name, axis in ENCODER_RULES)
+
+
+@pytest.mark.xdist_group('parity-encoder')
+def test_a_parameter_placed_otherwise_on_one_side_fails_the_mesh_part_by_its_placement():
+  """The mesh part checks where the state is before what it holds.
+
+  Here the NNX side replicates the MLP's hidden units that Linen splits over
+  `tensor`. That changes how the MLP's output projection adds up its products,
+  so the numbers differ too (asserted below, so the order matters). The
+  failure must still name the placement, which is the cause.
+  """
+  from parity import battery
+
+  pair = dataclasses.replace(
+      encoder, name='encoder_nnx_mlp_replicated',
+      make_sides=functools.partial(_sides_with_their_own_rules, ENCODER_RULES, MLP_REPLICATED),
+  )
+  with pytest.raises(AssertionError) as e:
+    battery.check_mesh(pair, MESH)
+  message = str(e.value)
+  assert message.startswith(f'encoder_nnx_mlp_replicated: final state shardings differ on {MESH}:'), message
+  for i in range(CFG.num_layers):
+    assert f'params/layers_{i}/Dense_0/kernel' in message  # mlp_in: [embed, mlp]
+    assert f'params/layers_{i}/Dense_1/kernel' in message  # mlp_out: [mlp, embed]
+  assert 'params/Dense_0/kernel' not in message  # the head is placed alike
+  # The premise: the numbers differ as well, so a check of numbers first would have blamed them.
+  runs = battery._runs(pair)
+  (_, linen_final, _), (_, nnx_final, _) = (runs.trajectory(s, 'linen', MESH) for s in ('linen', 'nnx'))
+  with pytest.raises(AssertionError, match='differ'):
+    battery.compare(pair, 'train', linen_final, nnx_final, 'the final states')
+
+
+@pytest.mark.xdist_group('parity-encoder')
+def test_a_state_both_sides_replicate_against_their_rules_fails_the_mesh_part():
+  """Sides that agree with each other can both ignore the logical axes: each
+  parameter is checked against what the pair's rules make of its axes."""
+  from parity import battery
+
+  mesh = specs.make_mesh(MESH)
+  placed = []
+  for rules in (None, ENCODER_RULES):  # None: the stock sides replicate the state
+    linen, _ = _sides_with_their_own_rules(rules, rules, mesh)
+    placed.append(battery._off_their_rules(encoder, linen, linen.to_checkpoint(linen.init(0))))
+  replicated, by_the_rules = placed
+  assert by_the_rules == []
+  assert (
+      "linen params/Embed_0/embedding: P() on data=2,fsdp=1,tensor=4; its logical axes ('vocab', 'embed')"
+      " give P('tensor', None) on data=2,fsdp=1,tensor=4"
+  ) in replicated, replicated
+  assert not any('LayerNorm' in line for line in replicated)  # `embed` is not split: in place
