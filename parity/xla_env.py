@@ -15,7 +15,11 @@ Four needs, each named here:
   from step 2 because qemu flushes float16 denormals that the F16C
   conversions keep on x86 CPUs by Intel's manual (tests/test_scenarios.py).
   The jax 0.11 records, written on the AMD EPYC, held on a 16-core Intel
-  Xeon (AVX-512, AMX) for every scenario, 05_fp8 too. Any x86-64 CPU with
+  Xeon (AVX-512, AMX) for every scenario, 05_fp8 too; the jax 0.10 and 0.12
+  records held on a 2-core Intel Xeon (AVX-512 with FP16, AMX), where the
+  whole suite passed on Python 3.11 and 3.12. A compilation cache written on
+  the AMD EPYC (jax 0.10) also served a run on that Xeon (jax's cache key
+  names no CPU), and that run passed, the records included. Any x86-64 CPU with
   AVX2 and FMA runs them; the suite and the golden records use them. Not
   covered: other architectures (ARM), and real second CPUs beyond these.
 * **Deterministic GPU** (`GPU_DETERMINISTIC_FLAGS`): XLA:GPU's scatter and
