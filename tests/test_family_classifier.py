@@ -28,6 +28,7 @@ from models.nnx import classifier as nnx_classifier
 from parity import runner
 from parity.adapter import KnownDifference, Pair
 from parity.stock import StockLinen, StockNnx
+from tests import ema
 
 CFG = ClassifierConfig()
 RENAMES = Renames((
@@ -318,73 +319,9 @@ def test_an_optimizer_holding_more_than_the_stock_one_is_named_once():
       ' (parity.adapter.Side)')
 
 
-# An EMA of the parameters beside the stock train states: a TrainState field
-# against an nnx.Optimizer attribute, declared to the NNX side by
-# `optimizer_fields`. The steps wrap the family's own.
-EMA_DECAY = 0.75
-
-
-class _EmaTrainState(linen_classifier.TrainState):
-  ema_params: object = None
-
-
-def _linen_ema_state(seed):
-  state = linen_classifier.create_train_state(CFG, seed)
-  fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
-  return _EmaTrainState(**fields, ema_params=state.params)
-
-
-@jax.jit
-def _linen_ema_step(state, batch, dropout_base):
-  state, metrics = linen_classifier.train_step(state, batch, dropout_base)
-  ema = jax.tree.map(lambda e, p: EMA_DECAY * e + (1 - EMA_DECAY) * p, state.ema_params, state.params)
-  return state.replace(ema_params=ema), metrics
-
-
-def _is_variable(x):
-  from flax import nnx
-
-  return isinstance(x, nnx.Variable)
-
-
-def _nnx_ema_state(seed):
-  from flax import nnx
-
-  model, optimizer = nnx_classifier.create_train_state(CFG, seed)
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  optimizer.ema = nnx.data(jax.tree.map(lambda x: nnx.Variable(x), params))
-  return model, optimizer
-
-
-def _nnx_ema_step(model, optimizer, batch, dropout_base):
-  from flax import nnx
-
-  metrics = nnx_classifier.train_step(model, optimizer, batch, dropout_base)
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  ema = jax.tree.map(lambda e, p: EMA_DECAY * e[...] + (1 - EMA_DECAY) * p, optimizer.ema, params,
-                     is_leaf=_is_variable)
-  jax.tree.map(lambda e, x: e.__setitem__(..., x), optimizer.ema, ema, is_leaf=_is_variable)
-  return metrics
-
-
-def _linen_ema_eval(state, batch):  # the EMA evaluated
-  return linen_classifier.eval_step(state.replace(params=state.ema_params), batch)
-
-
-def _nnx_ema_eval(model, optimizer, batch):
-  from flax import nnx
-
-  ema = jax.tree.map(lambda e: e[...], optimizer.ema, is_leaf=_is_variable)
-  nnx.update(model, ema)
-  return nnx_classifier.eval_step(model, batch)
-
-
-def _ema_sides(mesh, fields=(('ema', 'ema_params'),)):
-  linen = StockLinen(_linen_ema_state, _linen_ema_step, _linen_ema_eval,
-                     linen_classifier.loss_fn, has_aux=True, mesh=mesh)
-  nnx_side = StockNnx(_nnx_ema_state, _nnx_ema_step, _nnx_ema_eval, nnx_classifier.loss_fn,
-                      renames=RENAMES, mesh=mesh, optimizer_fields=fields, eval_sees_optimizer=True)
-  return linen, nnx_side
+def _ema_sides(mesh, fields=ema.FIELDS):
+  return ema.sides(linen_classifier, nnx_classifier, CFG, mesh, renames=RENAMES, has_aux=True,
+                   fields=fields)
 
 
 def test_an_optimizer_attribute_declared_with_its_field_is_carried_bit_for_bit():
@@ -394,14 +331,14 @@ def test_an_optimizer_attribute_declared_with_its_field_is_carried_bit_for_bit()
   declared under another field, the structures differ by it."""
   from parity import battery
 
-  ema = Pair('ema', _ema_sides, functools.partial(classifier_batch, CFG), steps=2)
-  battery.check_structure(ema)
+  pair = Pair('ema', _ema_sides, functools.partial(classifier_batch, CFG), steps=2)
+  battery.check_structure(pair)
   linen, _ = _ema_sides(None)
   start = linen.to_checkpoint(linen.init(0))
   assert 'ema_params/Conv_0/kernel' in start and 'ema_params/BatchNorm_0/scale' in start
-  battery.check_train(ema, 'linen')
-  battery.check_train(ema, 'nnx')
-  battery.check_eval(ema)
+  battery.check_train(pair, 'linen')
+  battery.check_train(pair, 'nnx')
+  battery.check_eval(pair)
   misnamed = Pair('misnamed', functools.partial(_ema_sides, fields=(('ema', 'ema'),)),
                   functools.partial(classifier_batch, CFG))
   with pytest.raises(AssertionError, match=r'ema/Conv_0/kernel'):

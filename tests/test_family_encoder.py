@@ -31,6 +31,7 @@ from models.linen import encoder as linen_encoder
 from models.nnx import encoder as nnx_encoder
 from parity.adapter import KnownDifference, Pair
 from parity.stock import StockLinen, StockNnx
+from tests import ema
 
 CFG = EncoderConfig()
 MESH = 'data=2,tensor=4'
@@ -202,3 +203,34 @@ def test_a_state_both_sides_replicate_against_their_rules_fails_the_mesh_part():
       " give P('tensor', None) on data=2,fsdp=1,tensor=4"
   ) in replicated, replicated
   assert not any('LayerNorm' in line for line in replicated)  # `embed` is not split: in place
+
+
+def _ema_sides(keep_metadata, mesh):
+  return ema.sides(linen_encoder, nnx_encoder, CFG, mesh, renames=RENAMES, rules=ENCODER_RULES,
+                   keep_metadata=keep_metadata)
+
+
+@pytest.mark.xdist_group('parity-encoder')
+def test_an_optimizer_attribute_is_placed_and_carried_on_a_mesh_by_its_logical_axes():
+  """An EMA of the parameters (`StockNnx(optimizer_fields=...)`) on the tensor-parallel
+  mesh. Linen's copy of the boxed parameters keeps their logical axes. An NNX copy made
+  from the values alone has none: the EMA is then replicated on that side, and the mesh
+  part names each such leaf. With each copy keeping its parameter's metadata, training
+  on the mesh is bitwise, the EMA included."""
+  from parity import battery
+
+  def pair(keep_metadata):
+    return Pair(f'encoder_ema_{keep_metadata}', functools.partial(_ema_sides, keep_metadata),
+                functools.partial(encoder_batch, CFG), steps=2, meshes=(MESH,), rules=ENCODER_RULES)
+
+  with pytest.raises(AssertionError) as e:
+    battery.check_mesh(pair(False), MESH)
+  message = str(e.value).split('\nassert ')[0]  # pytest's own lines follow the battery's
+  first, *lines = (line.strip() for line in message.splitlines())
+  assert first == f'encoder_ema_False: final state shardings differ on {MESH}:', first
+  assert lines and all(line.startswith('ema_params/') for line in lines), lines
+  assert (
+      "ema_params/layers_0/Dense_0/kernel: sharding: expected P(None, 'tensor') on data=2,fsdp=1,tensor=4"
+      " (Linen), got P() on data=2,fsdp=1,tensor=4 (NNX)"
+  ) in lines
+  assert battery.check_mesh(pair(True), MESH) == []
