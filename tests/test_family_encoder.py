@@ -186,7 +186,7 @@ def test_a_parameter_placed_otherwise_on_one_side_fails_the_mesh_part_by_its_pla
 
 
 @pytest.mark.xdist_group('parity-encoder')
-def test_a_state_both_sides_replicate_against_their_rules_fails_the_mesh_part():
+def test_parameters_both_sides_replicate_against_the_rules_are_named_by_the_mesh_parts_rule_check():
   """Sides that agree with each other can both ignore the logical axes: each
   parameter is checked against what the pair's rules make of its axes."""
   from parity import battery
