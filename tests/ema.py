@@ -26,7 +26,7 @@ def _is_variable(x):
 
 @functools.cache
 def _linen_steps(family: types.ModuleType):
-  """(TrainState with `ema_params`, create, train step, eval step) over a Linen family's own."""
+  """(create, train step, eval step) over a Linen family's own, its TrainState given `ema_params`."""
 
   class EmaTrainState(family.TrainState):
     ema_params: object = None
