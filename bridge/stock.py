@@ -103,7 +103,9 @@ def nnx_to_checkpoint(
   example shardings; then pass `convert=False` and the state as `nnx_template`).
   `fields`: `(optimizer attribute, train-state field)` pairs; the leaves at
   `1/<attribute>/...` go to `<field>/...`, a parameter path in them renamed
-  (an EMA of the parameters: `1/ema/conv1/kernel` -> `ema_params/Conv_0/kernel`).
+  (an EMA of the parameters: `1/ema/conv1/kernel` -> `ema_params/Conv_0/kernel`;
+  flax's `DynamicScale`: `1/dynamic_scale/scale` -> `dynamic_scale/scale`), and an
+  attribute that is one variable goes to the field itself (`1/loss_scale` -> `loss_scale`).
   """
   types = _variable_types(nnx_tree if nnx_template is None else nnx_template)
   flat = paths.flatten(nnx_tree)
@@ -126,7 +128,8 @@ def nnx_to_checkpoint(
     elif path.startswith('1/opt_state/'):
       out[mirrored(path[2:])] = x
     elif attribute in to_field:
-      out[to_field[attribute] + '/' + mirrored(path[len(attribute) + 3:])] = x
+      rest = path[len(attribute) + 3:]  # empty for an attribute that is one variable
+      out[to_field[attribute] + ('/' + mirrored(rest) if rest else '')] = x
     else:
       extra.setdefault('/'.join(path.split('/')[:2]), []).append(path)
   if extra:

@@ -180,6 +180,28 @@ def test_stock_moments_of_nested_same_named_modules_keep_their_paths():
     assert {p[len(prefix):] for p in flat if p.startswith(prefix)} == params, sorted(flat)
 
 
+def test_an_optimizer_attribute_that_is_one_variable_is_the_field_itself():
+  """`optimizer.loss_scale = nnx.Variable(...)` declared as the field `loss_scale`: the
+  checkpoint path is `loss_scale`, as a TrainState scalar field flattens, and it comes back."""
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from flax import nnx
+
+  from bridge import stock as bridge_stock
+
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  optimizer.loss_scale = nnx.Variable(jnp.float32(2.0**15))
+  state = nnx.split((model, optimizer))[1]
+  fields = (('loss_scale', 'loss_scale'),)
+  flat = bridge_stock.nnx_to_checkpoint(state, bridge_stock.Renames(), fields=fields)
+  assert sorted(flat) == ['loss_scale', 'params/bias', 'params/kernel', 'step'], sorted(flat)
+  flat['loss_scale'] = np.float32(3.0)
+  back = bridge_stock.checkpoint_to_nnx(flat, state, bridge_stock.Renames(), fields=fields)
+  assert float(back[1]['loss_scale'][...]) == 3.0
+
+
 def test_a_variable_type_with_no_linen_collection_is_named_with_its_path():
   """An `nnx.Dropout` holding its RNG stream: the error names the variable, its type and what to do."""
   import optax

@@ -19,6 +19,7 @@ import functools
 import math
 
 import jax
+import numpy as np
 import pytest
 
 from bridge.stock import Renames
@@ -342,4 +343,129 @@ def test_an_optimizer_attribute_declared_with_its_field_is_carried_bit_for_bit()
   misnamed = Pair('misnamed', functools.partial(_ema_sides, fields=(('ema', 'ema'),)),
                   functools.partial(classifier_batch, CFG))
   with pytest.raises(AssertionError, match=r'ema/Conv_0/kernel'):
+    battery.check_structure(misnamed)
+
+
+# A dynamic loss scale (flax.training.dynamic_scale.DynamicScale, the mixed-precision idiom
+# of flax's ImageNet example) beside the classifier's train state: a TrainState field on
+# the Linen side, the same object as an nnx.Optimizer attribute on the NNX side. It does
+# not mirror the parameters: a scalar scale and a count of finite steps. Step 0's batch
+# holds an infinite pixel, so its gradients are not finite: both sides keep their
+# parameters, moments and batch statistics and halve the scale; later steps apply, and
+# the second finite step in a row doubles it again (growth_interval=1).
+FIRST_SCALE = 2.0**15
+
+
+def _scaled_batch(step, split='train'):
+  batch = classifier_batch(CFG, step, split)
+  if (step, split) == (0, 'train'):
+    batch['images'][0, 0, 0, 0] = np.inf
+  return batch
+
+
+def _dynamic_scale():
+  import jax.numpy as jnp
+  from flax.training.dynamic_scale import DynamicScale
+
+  return DynamicScale(growth_interval=1, fin_steps=jnp.int32(0), scale=jnp.float32(FIRST_SCALE))
+
+
+@functools.cache
+def _scaled_linen_steps():
+  import jax.numpy as jnp
+
+  from models import rng
+
+  class ScaledTrainState(linen_classifier.TrainState):
+    dynamic_scale: object = None
+
+  def create(seed):
+    state = linen_classifier.create_train_state(CFG, seed)
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    return ScaledTrainState(**fields, dynamic_scale=_dynamic_scale())
+
+  @jax.jit
+  def train_step(state, batch, dropout_base):
+    key = rng.step_key(dropout_base, state.step, 0)
+    grad_fn = state.dynamic_scale.value_and_grad(linen_classifier.loss_fn, has_aux=True)
+    dynamic_scale, finite, (loss, batch_stats), grads = grad_fn(state.params, state, batch, key)
+    new = state.apply_gradients(grads=grads)
+    keep = functools.partial(jnp.where, finite)
+    new = new.replace(params=jax.tree.map(keep, new.params, state.params),
+                      opt_state=jax.tree.map(keep, new.opt_state, state.opt_state),
+                      batch_stats=jax.tree.map(keep, batch_stats, state.batch_stats),
+                      dynamic_scale=dynamic_scale)
+    return new, {'loss': loss, 'finite': finite}
+
+  return create, train_step, linen_classifier.eval_step
+
+
+@functools.cache
+def _scaled_nnx_steps():
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from models import rng
+
+  def create(seed):
+    model, optimizer = nnx_classifier.create_train_state(CFG, seed)
+    optimizer.dynamic_scale = nnx.data(_dynamic_scale())
+    return model, optimizer
+
+  @nnx.jit
+  def train_step(model, optimizer, batch, dropout_base):
+    key = rng.step_key(dropout_base, optimizer.step[...], 0)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+      scaled = nnx.merge(graphdef, params, rest, copy=True)  # its own variables, in this trace
+      return nnx_classifier.loss_fn(scaled, batch, key), nnx.state(scaled, nnx.BatchStat)
+
+    grad_fn = optimizer.dynamic_scale.value_and_grad(loss, has_aux=True)
+    dynamic_scale, finite, (loss, batch_stats), grads = grad_fn(params)
+    updated = (nnx.state(model, (nnx.Param, nnx.BatchStat)), optimizer.opt_state)
+    old = jax.tree.map(lambda v: v[...], updated, is_leaf=ema._is_variable)
+    optimizer.update(model, grads)
+    nnx.update(model, batch_stats)
+    jax.tree.map(lambda v, o: v.__setitem__(..., jnp.where(finite, v[...], o)), updated, old,
+                 is_leaf=ema._is_variable)
+    optimizer.dynamic_scale = dynamic_scale
+    return {'loss': loss, 'finite': finite}
+
+  return create, train_step, nnx_classifier.eval_step
+
+
+def _scaled_sides(mesh, fields=(('dynamic_scale', 'dynamic_scale'),)):
+  create, train_step, eval_step = _scaled_linen_steps()
+  linen = StockLinen(create, train_step, eval_step, linen_classifier.loss_fn, has_aux=True, mesh=mesh)
+  create, train_step, eval_step = _scaled_nnx_steps()
+  nnx_side = StockNnx(create, train_step, eval_step, nnx_classifier.loss_fn, renames=RENAMES,
+                      mesh=mesh, optimizer_fields=fields)
+  return linen, nnx_side
+
+
+def test_optimizer_state_that_does_not_mirror_the_parameters_is_carried_bit_for_bit():
+  """flax's DynamicScale in the optimizer: `1/dynamic_scale/scale` crosses as the
+  TrainState's `dynamic_scale/scale`, both ways; four steps from either side's start,
+  the first skipped for its infinite gradients, agree bit for bit, scale and count
+  included, and so do a checkpoint round trip into the other side and a resume there."""
+  from parity import battery
+
+  pair = Pair('dynamic_scale', _scaled_sides, _scaled_batch, steps=4)
+  battery.check_structure(pair)
+  linen, nnx_side = _scaled_sides(None)
+  start = nnx_side.to_checkpoint(nnx_side.init(0))
+  assert float(start['dynamic_scale/scale']) == FIRST_SCALE and int(start['dynamic_scale/fin_steps']) == 0
+  battery.check_train(pair, 'linen')
+  battery.check_train(pair, 'nnx')
+  battery.check_checkpoint(pair, 'nnx->linen')
+  battery.check_resume(pair, 'linen->nnx')
+  # The premise: step 0 was skipped (halving the scale), step 2 doubled it, step 3 counted.
+  metrics, final, _ = battery._runs(pair).trajectory('nnx', 'nnx')
+  assert [bool(m['finite']) for m in metrics] == [False, True, True, True]
+  assert (float(final['dynamic_scale/scale']), int(final['dynamic_scale/fin_steps'])) == (FIRST_SCALE, 1)
+  assert not np.array_equal(final['params/Conv_0/kernel'], start['params/Conv_0/kernel'])
+  misnamed = Pair('misnamed', functools.partial(_scaled_sides, fields=(('dynamic_scale', 'loss_scale'),)),
+                  _scaled_batch)
+  with pytest.raises(AssertionError, match=r'loss_scale/scale'):
     battery.check_structure(misnamed)
