@@ -424,11 +424,12 @@ def _scaled_nnx_steps():
     grad_fn = optimizer.dynamic_scale.value_and_grad(loss, has_aux=True)
     dynamic_scale, finite, (loss, batch_stats), grads = grad_fn(params)
     updated = (nnx.state(model, (nnx.Param, nnx.BatchStat)), optimizer.opt_state)
-    old = jax.tree.map(lambda v: v[...], updated, is_leaf=ema._is_variable)
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    old = jax.tree.map(lambda v: v[...], updated, is_leaf=is_variable)
     optimizer.update(model, grads)
     nnx.update(model, batch_stats)
     jax.tree.map(lambda v, o: v.__setitem__(..., jnp.where(finite, v[...], o)), updated, old,
-                 is_leaf=ema._is_variable)
+                 is_leaf=is_variable)
     optimizer.dynamic_scale = dynamic_scale
     return {'loss': loss, 'finite': finite}
 
@@ -453,7 +454,7 @@ def test_optimizer_state_that_does_not_mirror_the_parameters_is_carried_bit_for_
 
   pair = Pair('dynamic_scale', _scaled_sides, _scaled_batch, steps=4)
   battery.check_structure(pair)
-  linen, nnx_side = _scaled_sides(None)
+  _, nnx_side = _scaled_sides(None)
   start = nnx_side.to_checkpoint(nnx_side.init(0))
   assert float(start['dynamic_scale/scale']) == FIRST_SCALE and int(start['dynamic_scale/fin_steps']) == 0
   battery.check_train(pair, 'linen')
