@@ -5,9 +5,10 @@ For a user's own Linen/NNX pair built from stock pieces: a Linen
 fields such as `batch_stats`) and the NNX state of `(model, nnx.Optimizer)`.
 The checkpoint layout is the Linen one, flat: `step`, `params/<path>`,
 `<collection>/<path>` for each extra collection, `opt_state/<...>/<path>`
-for each optimizer leaf mirroring a parameter, and `<field>/<...>/<path>` for
+for each optimizer leaf mirroring a parameter, and `<field>/<...>` for
 each optimizer attribute declared to hold more (an EMA of the parameters in
-`nnx.Optimizer.ema` against a TrainState field `ema_params`). An NNX variable's collection
+`nnx.Optimizer.ema` against a TrainState field `ema_params`, a parameter path
+in it renamed; flax's `DynamicScale`; `<field>` alone for one variable). An NNX variable's collection
 is given by its type (`nnx.Param` -> `params`, `nnx.BatchStat` ->
 `batch_stats`, ...), and its module path is renamed by `Renames` (Linen's
 automatic `Conv_0` against NNX's attribute `conv1`).
@@ -137,9 +138,10 @@ def nnx_to_checkpoint(
         Problem(leaves[0], 'extra',
                 "a model leaf (0/...) or nnx.Optimizer's step (1/step) or opt_state (1/opt_state/...)",
                 f'{prefix} ({len(leaves)} leaves): the stock NNX side carries those alone; an'
-                ' optimizer attribute holding more, such as EMA copies of the parameters, is declared'
-                f" with the train-state field it is stored in (StockNnx(optimizer_fields=(('{prefix[2:]}',"
-                " 'ema_params'),))); other state needs a side of its own (parity.adapter.Side)")
+                ' optimizer attribute holding more, such as EMA copies of the parameters or a loss'
+                ' scale, is declared with the train-state field it is stored in'
+                f" (StockNnx(optimizer_fields=(('{prefix[2:]}', '<the TrainState field>'),))); other"
+                ' state needs a side of its own (parity.adapter.Side)')
         for prefix, leaves in extra.items()
     ])
   return out

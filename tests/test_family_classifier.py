@@ -315,9 +315,9 @@ def test_an_optimizer_holding_more_than_the_stock_one_is_named_once():
       'NNX train state: 1 path(s) do not match:\n  1/ema/conv1: extra: expected a model leaf (0/...)'
       " or nnx.Optimizer's step (1/step) or opt_state (1/opt_state/...), got 1/ema (2 leaves): the"
       ' stock NNX side carries those alone; an optimizer attribute holding more, such as EMA copies'
-      " of the parameters, is declared with the train-state field it is stored in"
-      " (StockNnx(optimizer_fields=(('ema', 'ema_params'),))); other state needs a side of its own"
-      ' (parity.adapter.Side)')
+      ' of the parameters or a loss scale, is declared with the train-state field it is stored in'
+      " (StockNnx(optimizer_fields=(('ema', '<the TrainState field>'),))); other state needs a side"
+      ' of its own (parity.adapter.Side)')
 
 
 def _ema_sides(mesh, fields=ema.FIELDS):
