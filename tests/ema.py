@@ -24,6 +24,11 @@ def _is_variable(x):
   return isinstance(x, nnx.Variable)
 
 
+def extended(state, cls, **extra):
+  """`state` (a TrainState) as its subclass `cls`, with the fields `cls` adds set to `extra`."""
+  return cls(**{f.name: getattr(state, f.name) for f in dataclasses.fields(state)}, **extra)
+
+
 @functools.cache
 def _linen_steps(family: types.ModuleType):
   """(create, train step, eval step) over a Linen family's own, its TrainState given `ema_params`."""
@@ -33,8 +38,7 @@ def _linen_steps(family: types.ModuleType):
 
   def create(cfg, seed):
     state = family.create_train_state(cfg, seed)
-    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
-    return EmaTrainState(**fields, ema_params=state.params)  # boxed as the parameters are
+    return extended(state, EmaTrainState, ema_params=state.params)  # boxed as the parameters are
 
   @jax.jit
   def train_step(state, batch, dropout_base):

@@ -380,9 +380,8 @@ def _scaled_linen_steps():
     dynamic_scale: object = None
 
   def create(seed):
-    state = linen_classifier.create_train_state(CFG, seed)
-    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
-    return ScaledTrainState(**fields, dynamic_scale=_dynamic_scale())
+    return ema.extended(linen_classifier.create_train_state(CFG, seed), ScaledTrainState,
+                        dynamic_scale=_dynamic_scale())
 
   @jax.jit
   def train_step(state, batch, dropout_base):
