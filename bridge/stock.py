@@ -58,15 +58,36 @@ class Renames:
     return self._apply(linen_path, self.rules)
 
 
-def _collection(path: str, variable_type: type, collections) -> str:
-  for t, name in collections:
-    if issubclass(variable_type, t):
-      return name
-  raise TreeMismatchError(
-      'NNX model variable (a variable type with no Linen collection: pass `collections=`,'
-      ' or keep the state out of the model, e.g. RNG streams in the step)',
-      [Problem(path, 'type', 'one of ' + ', '.join(t.__name__ for t, _ in collections), variable_type.__name__)],
-  )
+RNG_STATE_HINT = (
+    'an RNG stream kept in the model (a layer given `rngs=`, such as nnx.Dropout): a Linen'
+    " TrainState keeps no RNG state. Make the layer without `rngs=` and pass the step's key at"
+    ' the call (`nnx.Dropout(rate)(x, rngs=key)`, as models/nnx/classifier.py does), or write a'
+    ' side of your own (parity.adapter.Side)'
+)
+
+
+def _collections_of(types: Mapping[str, type], collections) -> dict[str, str]:
+  """The Linen collection of each model variable (`0/...`) of `types`, by its type.
+
+  Raises TreeMismatchError naming every variable whose type no collection takes.
+  """
+  out, problems, hints = {}, [], {}
+  expected = 'one of ' + ', '.join(t.__name__ for t, _ in collections)
+  for path, variable_type in types.items():
+    if not path.startswith('0/'):
+      continue
+    name = next((n for t, n in collections if issubclass(variable_type, t)), None)
+    if name is None:
+      problems.append(Problem(path, 'type', expected, variable_type.__name__))
+      rng = issubclass(variable_type, nnx.RngState)
+      hints.setdefault(RNG_STATE_HINT if rng else 'pass `collections=` with the Linen collection each'
+                       ' is stored in', set()).add(variable_type.__name__)
+    out[path] = name
+  if problems:
+    raise TreeMismatchError('NNX model variables of a type with no Linen collection ('
+                            + '; '.join(f'{", ".join(sorted(names))}: {hint}' for hint, names in hints.items())
+                            + ')', problems)
+  return out
 
 
 def _variable_types(nnx_template: Any) -> dict[str, type]:
@@ -111,6 +132,7 @@ def nnx_to_checkpoint(
   types = _variable_types(nnx_tree if nnx_template is None else nnx_template)
   flat = paths.flatten(nnx_tree)
   param_paths = {p[2:] for p, t in types.items() if p.startswith('0/') and issubclass(t, nnx.Param)}
+  collection = _collections_of(types, collections)
   to_field = dict(fields)
 
   def mirrored(rest: str) -> str:  # a parameter path at the end of `rest` renamed
@@ -123,7 +145,7 @@ def nnx_to_checkpoint(
     attribute = path.split('/')[1] if path.startswith('1/') else None
     if path.startswith('0/'):
       p = path[2:]
-      out[_collection(path, types[path], collections) + '/' + renames.to_linen(p)] = x
+      out[collection[path] + '/' + renames.to_linen(p)] = x
     elif path == '1/step':
       out['step'] = convert_step(x, LINEN_STEP_DTYPE) if convert else x
     elif path.startswith('1/opt_state/'):

@@ -203,16 +203,21 @@ def test_an_optimizer_attribute_that_is_one_variable_is_the_field_itself():
 
 
 def test_a_variable_type_with_no_linen_collection_is_named_with_its_path():
-  """An `nnx.Dropout` holding its RNG stream: the error names the variable, its type and what to do."""
+  """An `nnx.Dropout` holding its RNG stream, and a variable type of the user's own: the
+  error names every such variable, its type and what to do about each."""
   import optax
   from flax import nnx
 
   from bridge import stock as bridge_stock
 
+  class Counter(nnx.Variable):
+    pass
+
   class Model(nnx.Module):
     def __init__(self, rngs):
       self.head = nnx.Linear(2, 2, rngs=rngs)
       self.drop = nnx.Dropout(0.1, rngs=rngs)
+      self.seen = Counter(jnp.int32(0))
 
   def state():
     model = Model(nnx.Rngs(0))
@@ -220,5 +225,7 @@ def test_a_variable_type_with_no_linen_collection_is_named_with_its_path():
 
   with pytest.raises(TreeMismatchError) as e:
     bridge_stock.nnx_to_checkpoint(nnx.eval_shape(state), bridge_stock.Renames(), convert=False)
-  message = str(e.value)
-  assert '0/drop/rngs/' in message and 'Rng' in message and 'collections=' in message, message
+  got = {p.path: p.got for p in e.value.problems if p.expected == 'one of Param, BatchStat'}
+  assert got == {'0/drop/rngs/count': 'RngCount', '0/drop/rngs/key': 'RngKey', '0/seen': 'Counter'}, str(e.value)
+  assert 'RngCount, RngKey: an RNG stream kept in the model' in e.value.what, e.value.what
+  assert 'rngs=key' in e.value.what and 'Counter: pass `collections=`' in e.value.what, e.value.what
