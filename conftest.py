@@ -23,7 +23,7 @@ from parity import gc_tuning, xla_env
 
 xla_env.add_flags(
     (xla_env.host_device_count_flag(xla_env.SUITE_CPU_DEVICES),)
-    + xla_env.PORTABLE_CPU_FLAGS
+    + xla_env.portable_cpu_flags()
     + xla_env.GPU_DETERMINISTIC_FLAGS
 )
 # XLA:CPU splits large loops into one task per CPU-client thread, and the split

@@ -2,7 +2,7 @@
 
 Four needs, each named here:
 
-* **Portable CPU numerics** (`PORTABLE_CPU_FLAGS`). By default XLA:CPU picks
+* **Portable CPU numerics** (`portable_cpu_flags()`). By default XLA:CPU picks
   code by host: the YNNPACK kernels it fuses dots into are chosen per CPU,
   it emits AVX-512 where the host has it, it uses platform-specific math
   approximations, and Eigen may split a contraction over as many threads as
@@ -20,8 +20,15 @@ Four needs, each named here:
   whole suite passed on Python 3.11 and 3.12. A compilation cache written on
   the AMD EPYC (jax 0.10) also served a run on that Xeon (jax's cache key
   names no CPU), and that run passed, the records included. Any x86-64 CPU with
-  AVX2 and FMA runs them; the suite and the golden records use them. Not
-  covered: other architectures (ARM), and real second CPUs beyond these.
+  AVX2 and FMA runs them; the suite and the golden records use them. On
+  aarch64 the instruction-set cap is NEON instead, XLA's own default there:
+  the x86 value, which an earlier version set on every host, filters nothing
+  on ARM and so lifted XLA's cap, letting LLVM emit SVE, which XLA's source
+  says it lacks lowerings for (read in xla/debug_options_flags.cc and
+  xla/backends/cpu/codegen/cpu_features.cc; not run: no ARM host was at
+  hand). The loss records are x86 bits and are skipped off x86-64
+  (tests/test_scenarios.py). Not covered: runs on ARM, and real second CPUs
+  beyond these.
 * **Deterministic GPU** (`GPU_DETERMINISTIC_FLAGS`): XLA:GPU's scatter and
   reduction kernels may add in a different order on every run (atomics,
   autotuned algorithms); bitwise runs on a GPU need them off. Reported from
@@ -88,13 +95,24 @@ EPYC, jax 0.10.2; a tiny-preset train step compiles in 2.9 s by default):
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from typing import Iterable, MutableMapping
 
-PORTABLE_CPU_FLAGS: tuple[str, ...] = (
-    # Code generation for AVX2 + FMA, the common ground of x86-64 servers
-    # (measured: AVX-512 code gives other loss bits from step 1 on).
-    '--xla_cpu_max_isa=AVX2',
+# The widest instruction set XLA:CPU may emit, per host architecture: the common
+# ground of that architecture's servers. x86-64: AVX2 + FMA (measured: AVX-512 code
+# gives other loss bits from step 1 on). aarch64: NEON, XLA's own default there
+# (`DefaultMaxIsa` in xla/debug_options_flags.cc, for the SVE lowerings LLVM
+# lacks); an x86 value on an ARM host filters nothing and would lift that cap.
+MAX_ISA_FLAGS: dict[str, str] = {
+    'x86_64': '--xla_cpu_max_isa=AVX2',
+    'amd64': '--xla_cpu_max_isa=AVX2',
+    'aarch64': '--xla_cpu_max_isa=NEON',
+    'arm64': '--xla_cpu_max_isa=NEON',
+}
+
+# The flags of portable numerics every architecture takes.
+PORTABLE_CPU_MATH_FLAGS: tuple[str, ...] = (
     # Dots, fused elementwise ops and reductions in XLA's own code, not in
     # YNNPACK/XNNPACK kernels chosen per CPU model.
     '--xla_cpu_experimental_ynn_fusion_type=',
@@ -105,6 +123,19 @@ PORTABLE_CPU_FLAGS: tuple[str, ...] = (
     # otherwise follows the host's core count.
     '--xla_cpu_multi_thread_eigen=false',
 )
+
+
+def portable_cpu_flags(machine: str | None = None) -> tuple[str, ...]:
+  """The portable CPU numerics for a host (`platform.machine()` by default).
+
+  On x86-64 these are the flags the golden loss records were taken with. On
+  another architecture the instruction-set cap is that architecture's own
+  (none where MAX_ISA_FLAGS names none), never an x86 one.
+  """
+  machine = (platform.machine() if machine is None else machine).lower()
+  isa = MAX_ISA_FLAGS.get(machine)
+  return ((isa,) if isa else ()) + PORTABLE_CPU_MATH_FLAGS
+
 
 GPU_DETERMINISTIC_FLAGS: tuple[str, ...] = ('--xla_gpu_deterministic_ops=true',)
 

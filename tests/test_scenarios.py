@@ -7,7 +7,7 @@ The golden loss record (tests/golden/losses/jax-X.Y/<scenario>.txt, one hex
 float per step) catches a change that moves both sides alike, which a
 side-by-side comparison cannot. The records are exact; they are meant to
 hold on any x86-64 CPU with AVX2 and FMA because the suite runs XLA:CPU with
-`parity.xla_env.PORTABLE_CPU_FLAGS` (root conftest.py): without them the
+`parity.xla_env.portable_cpu_flags()` (root conftest.py): without them the
 kernels, vector width, math approximations and thread split follow the host
 and the bits move by about 1e-5 from step 2 on. Measured with the flags: the
 same bits on an AMD EPYC with AVX-512 and on one core of it, and under qemu's
@@ -125,9 +125,9 @@ def _assert_record_conditions() -> None:
   if missing:  # no other CPU's bits were recorded: stated, not a golden diff
     pytest.skip(f'the loss records are the bits of x86-64 CPUs with AVX2 and FMA; this host lacks {missing}')
   flags = xla_env.current_flags()
-  overridden = [f for f in xla_env.PORTABLE_CPU_FLAGS if f not in flags]
+  overridden = [f for f in xla_env.portable_cpu_flags() if f not in flags]
   assert not overridden, (
-      f'the loss records are taken with {list(xla_env.PORTABLE_CPU_FLAGS)}; XLA_FLAGS sets'
+      f'the loss records are taken with {list(xla_env.portable_cpu_flags())}; XLA_FLAGS sets'
       f' {overridden} otherwise ({flags})'
   )
   cpu_devices = len(jax.devices('cpu'))
