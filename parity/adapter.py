@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import jax
 
+from bridge import paths
 from models import compat
 
 Flat = dict[str, Any]
@@ -200,6 +201,15 @@ class Pair:
       if d.covers(path, pass_name):
         return d
     return None
+
+
+def check_structure(name: str, linen: Side, nnx_side: Side) -> None:
+  """Raises the bridge's TreeMismatchError naming every path where the two sides' states
+  differ in the checkpoint layout (a path on one side only, another shape or dtype)."""
+  paths.check_leaves(
+      f'{name}: NNX state vs Linen state (checkpoint layout)',
+      linen.abstract_checkpoint(), nnx_side.abstract_checkpoint(),
+  )
 
 
 def step_argument_names(

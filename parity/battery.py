@@ -255,12 +255,8 @@ def first_divergent_step(a: list[Mapping[str, Any]], b: list[Mapping[str, Any]])
 
 def check_structure(pair: adapter.Pair) -> None:
   __tracebackhide__ = _battery_frames_hidden
-  linen, nnx_side = _runs(pair).sides()
   with _as_failure():
-    paths.check_leaves(
-        f'{pair.name}: NNX state vs Linen state (checkpoint layout)',
-        linen.abstract_checkpoint(), nnx_side.abstract_checkpoint(),
-    )
+    adapter.check_structure(pair.name, *_runs(pair).sides())
 
 
 @contextlib.contextmanager

@@ -161,6 +161,7 @@ def cmd_compare(args) -> int:
   args.init = args.init or 'linen'
   if args.processes > 1 and not _in_worker():
     return _launch_processes(args)
+  from bridge.errors import TreeMismatchError
   from models import config
   from parity import adapter
   from parity import report as report_lib
@@ -202,14 +203,26 @@ def cmd_compare(args) -> int:
 
       parts = set(PARTS if pair.parts is None else pair.parts)
       options['program_diff'] = options['program_diff'] and 'program' in parts
+      sides = pair.make_sides(mesh)
+      try:  # a verdict, not bad input: the sides are not the same program
+        adapter.check_structure(pair.name, *sides)
+      except TreeMismatchError as e:
+        print(f'{e}\nverdict: STATES DIFFER (nothing trained)')
+        if args.json or args.markdown or args.plot:
+          print('parity: no report written: the states differ, so nothing was trained', file=sys.stderr)
+        return 1
       result = runner.compare_sides(
-          pair.make_sides(mesh), lambda step: pair.batch(step, 'train'), args.steps,
+          sides, lambda step: pair.batch(step, 'train'), args.steps,
           seed=args.seed, init_side=args.init,
           declared_program_difference=pair.program_difference(),
           compare_memory='memory' in parts, localize_divergence='localize' in parts, **options,
       )
   except adapter.BatchError as e:
     raise BadInput(str(e)) from None
+  except TreeMismatchError as e:  # the resumed checkpoint is not the state of these sides
+    if args.resume_from is None:
+      raise
+    raise BadInput(f'--resume-from {args.resume_from}: {e}') from None
   except Exception as e:  # XLA's runtime error type moved between jax versions
     message = out_of_memory_message(e, args)
     if message is None:

@@ -266,6 +266,50 @@ def test_compare_of_a_diverging_pair_exits_1(capsys):
   assert 'verdict: DIVERGED' in capsys.readouterr().out  # the step depends on the jax version
 
 
+def test_compare_of_a_pair_whose_states_differ_exits_1_naming_every_path(monkeypatch, capsys, tmp_path):
+  """A rename rule left out: a verdict (the sides are not the same program), each path named,
+  before anything is compiled; no traceback, and no report that would look complete."""
+  import dataclasses
+
+  from bridge.stock import Renames
+  from tests import test_family_classifier as classifier
+
+  def sides(mesh):
+    linen, nnx_side = classifier.make_sides(classifier.CFG, mesh)
+    rules = tuple(r for r in classifier.RENAMES.rules if r[0] != 'Dense_0')
+    return linen, dataclasses.replace(nnx_side, renames=Renames(rules))
+
+  monkeypatch.setattr(cli, '_load_pair', lambda spec: dataclasses.replace(classifier.classifier, make_sides=sides))
+  report = tmp_path / 'report.json'
+  assert cli.main(['compare', '--pair', 'any.py:classifier', '--steps', '2', '--json', str(report)]) == 1
+  captured = capsys.readouterr()
+  assert 'verdict: STATES DIFFER (nothing trained)' in captured.out
+  for path in ('params/Dense_0/kernel: missing', 'params/head/kernel: extra',
+               'opt_state/0/trace/Dense_0/bias: missing'):
+    assert path in captured.out, captured.out
+  assert 'no report written' in captured.err and not report.exists()
+
+
+def test_compare_resuming_a_checkpoint_of_other_state_exits_2_naming_every_path(capsys, tmp_path):
+  """A checkpoint whose state is not the sides' (01_baseline's, resumed as 09_tied_logits,
+  which has no logits_dense): bad input, each path named, no traceback."""
+  from models import rng
+  from models.config import get_configs
+  from parity import checkpoints
+  from parity.sides import make_sides
+
+  side, _ = make_sides(*get_configs('tiny', '01_baseline'))
+  manager = checkpoints.open_manager(str(tmp_path))
+  checkpoints.save(manager, 1, side, side.init(0), rng.base_key(0))
+  manager.wait_until_finished()
+  manager.close()
+  argv = ['compare', '--scenario', '09_tied_logits', '--resume-from', str(tmp_path), '--steps', '3']
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert f'parity: error: --resume-from {tmp_path}: checkpoint step 1 -> linen train state:' in err, err
+  assert 'params/params/decoder/logits_dense/kernel: extra' in err and 'Traceback' not in err
+
+
 @pytest.mark.parametrize('spec, message', [
     ('nowhere.py:x', 'no file nowhere.py'),
     ('tests/test_family_classifier.py:CFG', "has no Pair named 'CFG'"),
