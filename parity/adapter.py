@@ -193,6 +193,14 @@ class Pair:
   # the decoder's (bridge.specs.DEFAULT_RULES), and for parameters none (replicated).
   rules: Sequence[tuple[str, Any]] | None = None
 
+  def __post_init__(self):
+    # Zero steps would compare no training at all, and pass.
+    if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+      raise ValueError(f'Pair {self.name!r} steps: a whole number of train steps, 1 or more, got {self.steps!r}')
+    # A string would be taken as its characters, each a mesh spec.
+    if isinstance(self.meshes, str) or not all(isinstance(m, str) and m for m in self.meshes):
+      raise ValueError(f"Pair {self.name!r} meshes: a sequence of mesh specs such as ('data=8',), got {self.meshes!r}")
+
   def program_difference(self) -> KnownDifference | None:
     return next((d for d in self.known_differences if 'program' in d.passes), None)
 

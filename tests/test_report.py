@@ -555,6 +555,21 @@ def test_a_declaration_the_battery_cannot_apply_is_an_error(kwargs, message):
     KnownDifference(**args)
 
 
+@pytest.mark.parametrize('kwargs,message', [
+    (dict(steps=0), r"steps: a whole number of train steps, 1 or more, got 0"),
+    (dict(steps=2.0), r"steps: a whole number .* got 2.0"),
+    (dict(meshes='data=8'), r"meshes: a sequence of mesh specs such as \('data=8',\), got 'data=8'"),
+    (dict(meshes=('data=8', '')), r"meshes: a sequence of mesh specs"),
+], ids=['no_steps', 'steps_a_float', 'meshes_a_string', 'an_empty_mesh'])
+def test_a_pair_the_battery_cannot_run_as_declared_is_an_error(kwargs, message):
+  """Zero steps would compare no training and pass; one mesh string would be taken as its characters."""
+  from parity.adapter import Pair
+
+  with pytest.raises(ValueError, match=r"Pair 'mine' " + message):
+    Pair('mine', lambda mesh: None, lambda step, split='train': {}, **kwargs)
+  assert Pair('mine', lambda mesh: None, lambda step, split='train': {}, steps=1, meshes=()).steps == 1
+
+
 @pytest.mark.parametrize('changed,outside_identical,why', [
     (12, True, 'over the declared bound of 10 lines'),
     (4, False, 'different outside the declared modules'),
