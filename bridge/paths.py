@@ -50,8 +50,15 @@ def flatten(tree: Any) -> dict[str, Any]:
   return {path: _value(leaf) for path, leaf in items(tree, _is_variable)}
 
 
+def dtype_name(dtype: Any) -> str:
+  """A dtype's name: numpy's, or jax's own for an extended dtype (a typed PRNG key: `key<fry>`)."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return str(dtype)
+  return np.dtype(dtype).name
+
+
 def describe(x: Any) -> str:
-  return f'{np.dtype(x.dtype).name}{list(x.shape)}'
+  return f'{dtype_name(x.dtype)}{list(x.shape)}'
 
 
 def check_leaves(
@@ -69,10 +76,8 @@ def check_leaves(
     e, g = expected[path], got[path]
     if tuple(e.shape) != tuple(g.shape):
       problems.append(Problem(path, 'shape', str(list(e.shape)), str(list(g.shape))))
-    elif np.dtype(e.dtype) != np.dtype(g.dtype):
-      problems.append(
-          Problem(path, 'dtype', np.dtype(e.dtype).name, np.dtype(g.dtype).name)
-      )
+    elif dtype_name(e.dtype) != dtype_name(g.dtype):
+      problems.append(Problem(path, 'dtype', dtype_name(e.dtype), dtype_name(g.dtype)))
   if problems:
     raise TreeMismatchError(what, problems)
 

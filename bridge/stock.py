@@ -8,7 +8,9 @@ The checkpoint layout is the Linen one, flat: `step`, `params/<path>`,
 for each optimizer leaf mirroring a parameter, and `<field>/<...>` for
 each optimizer attribute declared to hold more (an EMA of the parameters in
 `nnx.Optimizer.ema` against a TrainState field `ema_params`, a parameter path
-in it renamed; flax's `DynamicScale`; `<field>` alone for one variable). An NNX variable's collection
+in it renamed; flax's `DynamicScale`; `<field>` alone for one variable). State
+of the `nnx_only` types (RNG streams kept in the model) has no place in it.
+An NNX variable's collection
 is given by its type (`nnx.Param` -> `params`, `nnx.BatchStat` ->
 `batch_stats`, ...), and its module path is renamed by `Renames` (Linen's
 automatic `Conv_0` against NNX's attribute `conv1`).
@@ -60,9 +62,9 @@ class Renames:
 
 RNG_STATE_HINT = (
     'an RNG stream kept in the model (a layer given `rngs=`, such as nnx.Dropout): a Linen'
-    " TrainState keeps no RNG state. Make the layer without `rngs=` and pass the step's key at"
-    ' the call (`nnx.Dropout(rate)(x, rngs=key)`, as models/nnx/classifier.py does), or write a'
-    ' side of your own (parity.adapter.Side)'
+    ' TrainState keeps no RNG state. Leave it out of the layout with `nnx_only=(nnx.RngState,)`'
+    " (parity.stock.StockNnx's default), or make the layer without `rngs=` and pass the step's"
+    ' key at the call (`nnx.Dropout(rate)(x, rngs=key)`, as models/nnx/classifier.py does)'
 )
 
 
@@ -118,6 +120,7 @@ def nnx_to_checkpoint(
     collections=DEFAULT_COLLECTIONS,
     convert=True,
     fields: tuple[tuple[str, str], ...] = (),
+    nnx_only: tuple[type, ...] = (),
 ) -> dict[str, Any]:
   """The checkpoint layout of the NNX state of `(model, optimizer)`.
 
@@ -128,9 +131,13 @@ def nnx_to_checkpoint(
   (an EMA of the parameters: `1/ema/conv1/kernel` -> `ema_params/Conv_0/kernel`;
   flax's `DynamicScale`: `1/dynamic_scale/scale` -> `dynamic_scale/scale`), and an
   attribute that is one variable goes to the field itself (`1/loss_scale` -> `loss_scale`).
+  `nnx_only`: variable types of state the Linen side has no counterpart for
+  (RNG streams kept in the model, `nnx.RngState`): left out of the layout.
   """
   types = _variable_types(nnx_tree if nnx_template is None else nnx_template)
-  flat = paths.flatten(nnx_tree)
+  only = _nnx_only_paths(types, nnx_only)
+  types = {p: t for p, t in types.items() if p not in only}
+  flat = {p: x for p, x in paths.flatten(nnx_tree).items() if p not in only}
   param_paths = {p[2:] for p, t in types.items() if p.startswith('0/') and issubclass(t, nnx.Param)}
   collection = _collections_of(types, collections)
   to_field = dict(fields)
@@ -172,13 +179,30 @@ def nnx_to_checkpoint(
 def checkpoint_to_nnx(
     flat: Mapping[str, Any], nnx_template: Any, renames: Renames, collections=DEFAULT_COLLECTIONS,
     fields: tuple[tuple[str, str], ...] = (),
+    nnx_only: tuple[type, ...] = (),
+    nnx_only_state: Any = None,
 ) -> Any:
-  """An NNX `(model, optimizer)` state shaped like `nnx_template`, from the checkpoint layout."""
-  wanted = nnx_to_checkpoint(nnx_template, renames, collections=collections, convert=False, fields=fields)
+  """An NNX `(model, optimizer)` state shaped like `nnx_template`, from the checkpoint layout.
+
+  The state of the `nnx_only` types, which the layout leaves out, is taken
+  from `nnx_only_state` (the `(model, optimizer)` state of those types alone).
+  """
+  wanted = nnx_to_checkpoint(nnx_template, renames, collections=collections, convert=False,
+                             fields=fields, nnx_only=nnx_only)
+  only = _nnx_only_paths(_variable_types(nnx_template), nnx_only)
   # Invert the mapping by the template's own paths: every checkpoint path has one NNX path.
-  back = dict(zip(wanted, paths.flatten(nnx_template)))
+  back = dict(zip(wanted, [p for p in paths.flatten(nnx_template) if p not in only]))
   out = {}
   for path, x in flat.items():
     target = back.get(path, path)  # an unknown path is reported as extra by fill
     out[target] = convert_step(x, NNX_STEP_DTYPE) if target == '1/step' else x
+  if only:
+    if nnx_only_state is None:
+      raise ValueError(f'checkpoint -> NNX train state: {sorted(only)} are not in the checkpoint'
+                       ' layout (nnx_only); pass their values as nnx_only_state')
+    out.update(paths.flatten(nnx_only_state))
   return paths.fill('checkpoint -> NNX train state', nnx_template, out)
+
+
+def _nnx_only_paths(types: Mapping[str, type], nnx_only: tuple[type, ...]) -> set[str]:
+  return {p for p, t in types.items() if issubclass(t, tuple(nnx_only))}

@@ -2,7 +2,9 @@
 
 Two leaves are equal when shape, dtype and raw bits (the array viewed as
 unsigned integers) are equal: NaN payloads count, and -0.0 differs from
-+0.0. `np.testing.assert_array_equal` and `chex.assert_trees_all_equal`
++0.0. A typed PRNG key array (`jax.random.key`, NNX's `RngKey`) is equal
+when its key type and shape are and its key data is bit for bit.
+`np.testing.assert_array_equal` and `chex.assert_trees_all_equal`
 compare values, not bits, so they are not used for equivalence.
 """
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 
 from bridge import paths
@@ -78,7 +81,19 @@ def _is_float(dtype: np.dtype) -> bool:
   return np.issubdtype(dtype, np.inexact) or 'float' in dtype.name
 
 
+def _typed_key(x: Any) -> bool:
+  dtype = getattr(x, 'dtype', None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
 def compare_leaves(path: str, a: Any, b: Any) -> LeafDiff | None:
+  if _typed_key(a) or _typed_key(b):  # numpy cannot hold them: their key data is compared
+    if np.shape(a) != np.shape(b):
+      return LeafDiff(path, 'shape', f'{list(np.shape(a))} vs {list(np.shape(b))}')
+    if paths.dtype_name(a.dtype) != paths.dtype_name(b.dtype):
+      return LeafDiff(path, 'dtype', f'{paths.dtype_name(a.dtype)} vs {paths.dtype_name(b.dtype)}')
+    diff = compare_leaves(path, jax.random.key_data(a), jax.random.key_data(b))
+    return None if diff is None else LeafDiff(path, diff.kind, f'{paths.dtype_name(a.dtype)} key data {diff.detail}')
   a, b = np.asarray(a), np.asarray(b)
   if a.shape != b.shape:
     return LeafDiff(path, 'shape', f'{list(a.shape)} vs {list(b.shape)}')
@@ -144,7 +159,8 @@ def digest(flat: Any) -> str:
 
   h = hashlib.sha256()
   for path, x in sorted(paths.flatten(flat).items()):
-    arr = np.asarray(x)
-    h.update(f'{path}:{arr.dtype.name}{list(arr.shape)};'.encode())
+    name = paths.dtype_name(x.dtype) if _typed_key(x) else None
+    arr = np.asarray(jax.random.key_data(x)) if name else np.asarray(x)
+    h.update(f'{path}:{name or arr.dtype.name}{list(np.shape(x))};'.encode())
     h.update(raw_bits(arr).tobytes())
   return h.hexdigest()

@@ -988,6 +988,10 @@ class ProgramDiff:
   loop_order: str = ''  # `loop_order_difference` where the canonical programs are identical
   # Where they differ: a loop carrying the same values in another order, if one does.
   loop_reorder: str = ''
+  # Arguments (by name) of one program only: state one side has and the other has not,
+  # or an input one side never reads (jit drops it).
+  arguments_only_linen: list[str] = dataclasses.field(default_factory=list)
+  arguments_only_nnx: list[str] = dataclasses.field(default_factory=list)
 
   def summary(self) -> str:
     if self.identical:
@@ -995,10 +999,13 @@ class ProgramDiff:
       return f'programs identical{except_} ({self.linen_lines} canonical lines)'
     if self.loop_order:
       return f'programs differ: the same computation, but {self.loop_order}'
+    only = [f'arguments only in {side}: {", ".join(names)}' for side, names in
+            (('Linen', self.arguments_only_linen), ('NNX', self.arguments_only_nnx)) if names]
     return (
         f'programs differ: first difference at canonical line {self.first_difference}'
         f' of {self.linen_lines} (Linen) / {self.nnx_lines} (NNX); {self.changed_lines}'
         ' lines changed' + (f'; besides, {self.loop_reorder}' if self.loop_reorder else '')
+        + ''.join(f'; {o}' for o in only)
     )
 
   def parting_lines(self) -> list[str]:
@@ -1126,6 +1133,8 @@ def diff(
       parting_linen=[_clip(a[i].strip(), width) for i in parting[0]],
       parting_nnx=[_clip(b[i].strip(), width) for i in parting[1]],
       allowed=allowed_names, loop_reorder=loop_order_difference(linen_text, nnx_text, reorder_only=True),
+      arguments_only_linen=sorted(set(linen_args or ()) - set(nnx_args or ())) if nnx_args is not None else [],
+      arguments_only_nnx=sorted(set(nnx_args or ()) - set(linen_args or ())) if linen_args is not None else [],
   )
 
 

@@ -237,6 +237,14 @@ class StockNnx(_Stock):
   maps each NNX variable type of the model to the Linen collection (train
   state field) it is stored in (default: `nnx.Param` -> params,
   `nnx.BatchStat` -> batch_stats).
+
+  `nnx_only`: variable types of state only the NNX side has (default: the
+  RNG streams a layer given `rngs=` keeps, `nnx.RngState`; a Linen
+  TrainState keeps none). They stay in the side's state and its programs,
+  out of the checkpoint layout and so out of every comparison of numbers; a
+  state made from a checkpoint takes them as `create(0)` makes them. The
+  programs and memory are compared as they are: the NNX step carries that
+  state in and out (arguments named `nnx-only/<path>`).
   """
 
   create: Callable[[int], Any]
@@ -255,6 +263,7 @@ class StockNnx(_Stock):
   # eval_step(model, optimizer, batch) instead of eval_step(model, batch): an eval of
   # what the optimizer holds (an EMA), as a Linen eval_step sees the whole TrainState.
   eval_sees_optimizer: bool = False
+  nnx_only: tuple[type, ...] = (nnx.RngState,)
 
   @functools.cached_property
   def _abstract(self):
@@ -318,16 +327,41 @@ class StockNnx(_Stock):
   def _checkpoint_leaves(self, tree) -> dict[str, Any]:
     return bridge_stock.nnx_to_checkpoint(
         tree, self.renames, nnx_template=self.template, collections=self.collections, convert=False,
-        fields=self.optimizer_fields,
+        fields=self.optimizer_fields, nnx_only=self.nnx_only,
     )
 
   def to_checkpoint(self, state) -> dict[str, Any]:
     return bridge_stock.nnx_to_checkpoint(
-        state, self.renames, collections=self.collections, fields=self.optimizer_fields)
+        state, self.renames, collections=self.collections, fields=self.optimizer_fields,
+        nnx_only=self.nnx_only)
+
+  @functools.cached_property
+  def _nnx_only_state(self) -> Any:
+    """The state of the `nnx_only` types as `create(0)` makes it (None if there is none)."""
+    if not self._nnx_only_paths():
+      return None
+    return nnx.split(self.create(0), nnx.Any(*self.nnx_only), ...)[1]
+
+  def _nnx_only_paths(self) -> list[str]:
+    """The paths of the state's leaves of the `nnx_only` types (in no checkpoint)."""
+    types = tuple(self.nnx_only)
+    return [p for p, v in paths.items(self.template, lambda x: isinstance(x, nnx.Variable))
+            if isinstance(v, types)]
 
   def from_checkpoint(self, flat) -> Any:
     return self.place(bridge_stock.checkpoint_to_nnx(
-        flat, self.template, self.renames, self.collections, self.optimizer_fields))
+        flat, self.template, self.renames, self.collections, self.optimizer_fields,
+        nnx_only=self.nnx_only, nnx_only_state=self._nnx_only_state))
+
+  def argument_names(self, lowered, state, batch, dropout_base) -> list[str]:
+    """Checkpoint paths, and `nnx-only/<path>` for the state no checkpoint holds."""
+    only = set(self._nnx_only_paths())
+
+    def leaves(tree):
+      flat = paths.flatten(tree)
+      return {**self._checkpoint_leaves(tree), **{f'nnx-only/{p}': flat[p] for p in only}}
+
+    return adapter.step_argument_names(lowered, state, batch, leaves)
 
   def _logical_specs(self) -> Any:
     return nnx.get_partition_spec(self.template)

@@ -77,3 +77,19 @@ def test_equal_trees_pass():
   tree = _large_tree()
   assert_bitwise_equal(tree, jax.tree.map(lambda x: x + 0, tree))
   assert raw_bits(jnp.float32(1.0)) == np.uint32(0x3F800000)
+
+
+def test_typed_prng_keys_compare_by_key_type_shape_and_key_data():
+  """NNX's `RngKey` holds a typed key array, which numpy cannot hold: its key data is compared."""
+  from parity.bitwise import digest
+
+  key = jax.random.key(0)
+  assert compare_trees({'k': key}, {'k': jax.random.key(0)}) == []
+  other = compare_trees({'k': key}, {'k': jax.random.key(1)})
+  assert [(d.path, d.kind) for d in other] == [('k', 'bits')], other
+  assert other[0].detail.startswith('key<fry> key data uint32[2]: '), other[0].detail
+  impl = compare_trees({'k': key}, {'k': jax.random.key(0, impl='rbg')})
+  assert [(d.path, d.kind, d.detail) for d in impl] == [('k', 'dtype', 'key<fry> vs key<rbg>')]
+  shape = compare_trees({'k': key}, {'k': jax.random.split(key, 2)})
+  assert [(d.path, d.kind) for d in shape] == [('k', 'shape')]
+  assert digest({'k': key}) == digest({'k': jax.random.key(0)}) != digest({'k': jax.random.key(1)})

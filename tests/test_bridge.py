@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from bridge import paths
 from bridge import train_state as bridge_state
 from bridge.errors import TreeMismatchError
 from bridge.layout import AxisMove, Layout
@@ -229,3 +230,32 @@ def test_a_variable_type_with_no_linen_collection_is_named_with_its_path():
   assert got == {'0/drop/rngs/count': 'RngCount', '0/drop/rngs/key': 'RngKey', '0/seen': 'Counter'}, str(e.value)
   assert 'RngCount, RngKey: an RNG stream kept in the model' in e.value.what, e.value.what
   assert 'rngs=key' in e.value.what and 'Counter: pass `collections=`' in e.value.what, e.value.what
+  assert 'nnx_only=(nnx.RngState,)' in e.value.what, e.value.what
+
+
+def test_state_only_the_nnx_side_has_is_left_out_of_the_layout_and_filled_back():
+  """`nnx_only`: an RNG stream kept in the model has no checkpoint path; the way back takes
+  it from the state given for it, and asks for it when none is."""
+  import optax
+  from flax import nnx
+
+  from bridge import stock as bridge_stock
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.head = nnx.Linear(2, 2, rngs=rngs)
+      self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+  def create(seed):
+    model = Model(nnx.Rngs(seed))
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  only = (nnx.RngState,)
+  _, state = nnx.split(create(0))
+  flat = bridge_stock.nnx_to_checkpoint(state, bridge_stock.Renames(), nnx_only=only)
+  assert sorted(flat) == ['params/head/bias', 'params/head/kernel', 'step'], sorted(flat)
+  kept = nnx.split(create(1), nnx.RngState, ...)[1]
+  back = bridge_stock.checkpoint_to_nnx(flat, state, bridge_stock.Renames(), nnx_only=only, nnx_only_state=kept)
+  assert_bitwise_equal(paths.flatten(back), {**paths.flatten(state), **paths.flatten(kept)}, 'back')
+  with pytest.raises(ValueError, match=r"\['0/drop/rngs/count', '0/drop/rngs/key'\] are not in the checkpoint"):
+    bridge_stock.checkpoint_to_nnx(flat, state, bridge_stock.Renames(), nnx_only=only)

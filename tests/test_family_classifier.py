@@ -469,3 +469,47 @@ def test_optimizer_state_that_does_not_mirror_the_parameters_is_carried_bit_for_
                   _scaled_batch)
   with pytest.raises(AssertionError, match=r'loss_scale/scale'):
     battery.check_structure(misnamed)
+
+
+def _stream_sides(mesh):
+  """The classifier, its NNX dropout layer keeping an RNG stream (`nnx.Dropout(rate, rngs=...)`,
+  as flax's NNX examples make it); the family's step still passes the step's key at the call."""
+  from flax import nnx
+
+  linen, nnx_side = make_sides(CFG, mesh)
+
+  def create(seed):
+    model, optimizer = nnx_classifier.create_train_state(CFG, seed)
+    model.dropout = nnx.Dropout(CFG.dropout_rate, rngs=nnx.Rngs(dropout=seed))
+    return model, optimizer
+
+  return linen, dataclasses.replace(nnx_side, create=create)
+
+
+@pytest.mark.xdist_group('parity-classifier')
+def test_an_rng_stream_kept_in_the_nnx_model_is_carried_outside_the_comparison():
+  """`StockNnx(nnx_only=(nnx.RngState,))`, the default: the stream (`RngKey`, `RngCount`) is in
+  the NNX state and its programs but in no checkpoint, so the numbers compare bit for bit;
+  a state made from a checkpoint takes it as `create(0)` makes it. The programs and memory
+  are compared as they are: the NNX step carries the stream in and out, 12 bytes."""
+  from bridge import paths
+  from parity import battery
+  from parity.bitwise import assert_bitwise_equal
+
+  pair = Pair('rng_stream', _stream_sides, functools.partial(classifier_batch, CFG),
+              known_differences=(BATCH_NORM_PROGRAM,))
+  battery.check_structure(pair)
+  _, nnx_side = _stream_sides(None)
+  state = nnx_side.init(0)
+  stream = sorted(p for p in paths.flatten(state) if '/rngs/' in p)
+  assert stream == ['0/dropout/rngs/count', '0/dropout/rngs/key'], stream
+  assert not [p for p in nnx_side.to_checkpoint(state) if 'rngs' in p]
+  assert_bitwise_equal(nnx_side.from_checkpoint(nnx_side.to_checkpoint(state)), state, 'init(0) carried back')
+  battery.check_train(pair, 'nnx')
+  battery.check_checkpoint(pair, 'nnx->linen')
+  battery.check_resume(pair, 'linen->nnx')
+  with pytest.raises(AssertionError, match=r'argument_bytes \+12 B'):
+    battery.check_memory(pair)
+  with pytest.raises(AssertionError, match=r'arguments only in NNX: nnx-only/0/dropout/rngs/count,'
+                     r' nnx-only/0/dropout/rngs/key\b'):
+    battery.check_program(pair)
