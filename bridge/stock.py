@@ -189,7 +189,7 @@ def checkpoint_to_nnx(
   """
   wanted = nnx_to_checkpoint(nnx_template, renames, collections=collections, convert=False,
                              fields=fields, nnx_only=nnx_only)
-  only = _nnx_only_paths(_variable_types(nnx_template), nnx_only)
+  only = nnx_only_paths(nnx_template, nnx_only)
   # Invert the mapping by the template's own paths: every checkpoint path has one NNX path.
   back = dict(zip(wanted, [p for p in paths.flatten(nnx_template) if p not in only]))
   out = {}
@@ -202,6 +202,11 @@ def checkpoint_to_nnx(
                        ' layout (nnx_only); pass their values as nnx_only_state')
     out.update(paths.flatten(nnx_only_state))
   return paths.fill('checkpoint -> NNX train state', nnx_template, out)
+
+
+def nnx_only_paths(nnx_template: Any, nnx_only: tuple[type, ...]) -> set[str]:
+  """The paths of the template's variables of the `nnx_only` types (in no checkpoint layout)."""
+  return _nnx_only_paths(_variable_types(nnx_template), nnx_only)
 
 
 def _nnx_only_paths(types: Mapping[str, type], nnx_only: tuple[type, ...]) -> set[str]:

@@ -476,12 +476,11 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
     names.append(set(side.argument_names(lowered, state, batch, key)))
     annotations.append(programs.sharding_annotations(lowered.as_text()))
   a, b = annotations
-  only = ''.join(f'; arguments only in {who}: {", ".join(sorted(n))}'
-                 for who, n in (('Linen', names[0] - names[1]), ('NNX', names[1] - names[0])) if n)
   assert a == b, (
       f'{pair.name}: sharding annotations of the train steps differ on {mesh_spec}'
       f' (the train metrics and final state there are bit-identical{", or within the declared bounds" if found else ""}):'
-      f' only linen {dict(a - b)}, only nnx {dict(b - a)}{only}'
+      f' only linen {dict(a - b)}, only nnx {dict(b - a)}'
+      + programs.one_sided_arguments(names[0] - names[1], names[1] - names[0])
   )
   return found
 

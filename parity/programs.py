@@ -999,13 +999,11 @@ class ProgramDiff:
       return f'programs identical{except_} ({self.linen_lines} canonical lines)'
     if self.loop_order:
       return f'programs differ: the same computation, but {self.loop_order}'
-    only = [f'arguments only in {side}: {", ".join(names)}' for side, names in
-            (('Linen', self.arguments_only_linen), ('NNX', self.arguments_only_nnx)) if names]
     return (
         f'programs differ: first difference at canonical line {self.first_difference}'
         f' of {self.linen_lines} (Linen) / {self.nnx_lines} (NNX); {self.changed_lines}'
         ' lines changed' + (f'; besides, {self.loop_reorder}' if self.loop_reorder else '')
-        + ''.join(f'; {o}' for o in only)
+        + one_sided_arguments(self.arguments_only_linen, self.arguments_only_nnx)
     )
 
   def parting_lines(self) -> list[str]:
@@ -1133,9 +1131,22 @@ def diff(
       parting_linen=[_clip(a[i].strip(), width) for i in parting[0]],
       parting_nnx=[_clip(b[i].strip(), width) for i in parting[1]],
       allowed=allowed_names, loop_reorder=loop_order_difference(linen_text, nnx_text, reorder_only=True),
-      arguments_only_linen=sorted(set(linen_args or ()) - set(nnx_args or ())) if nnx_args is not None else [],
-      arguments_only_nnx=sorted(set(nnx_args or ()) - set(linen_args or ())) if linen_args is not None else [],
+      **_arguments_only(linen_args, nnx_args),
   )
+
+
+def _arguments_only(linen_args: list[str] | None, nnx_args: list[str] | None) -> dict[str, list[str]]:
+  """The argument names of one program only (none unless both programs' names are known)."""
+  if linen_args is None or nnx_args is None:
+    return {}
+  return {'arguments_only_linen': sorted(set(linen_args) - set(nnx_args)),
+          'arguments_only_nnx': sorted(set(nnx_args) - set(linen_args))}
+
+
+def one_sided_arguments(only_linen, only_nnx) -> str:
+  """`'; arguments only in Linen: ...; arguments only in NNX: ...'` for those there are ('' if none)."""
+  return ''.join(f'; arguments only in {side}: {", ".join(sorted(names))}'
+                 for side, names in (('Linen', only_linen), ('NNX', only_nnx)) if names)
 
 
 # ---------------------------------------------------------------------------

@@ -336,17 +336,15 @@ class StockNnx(_Stock):
         nnx_only=self.nnx_only)
 
   @functools.cached_property
+  def _nnx_only_paths(self) -> set[str]:
+    return bridge_stock.nnx_only_paths(self.template, self.nnx_only)
+
+  @functools.cached_property
   def _nnx_only_state(self) -> Any:
     """The state of the `nnx_only` types as `create(0)` makes it (None if there is none)."""
-    if not self._nnx_only_paths():
+    if not self._nnx_only_paths:
       return None
     return nnx.split(self.create(0), nnx.Any(*self.nnx_only), ...)[1]
-
-  def _nnx_only_paths(self) -> list[str]:
-    """The paths of the state's leaves of the `nnx_only` types (in no checkpoint)."""
-    types = tuple(self.nnx_only)
-    return [p for p, v in paths.items(self.template, lambda x: isinstance(x, nnx.Variable))
-            if isinstance(v, types)]
 
   def from_checkpoint(self, flat) -> Any:
     return self.place(bridge_stock.checkpoint_to_nnx(
@@ -355,11 +353,9 @@ class StockNnx(_Stock):
 
   def argument_names(self, lowered, state, batch, dropout_base) -> list[str]:
     """Checkpoint paths, and `nnx-only/<path>` for the state no checkpoint holds."""
-    only = set(self._nnx_only_paths())
-
     def leaves(tree):
       flat = paths.flatten(tree)
-      return {**self._checkpoint_leaves(tree), **{f'nnx-only/{p}': flat[p] for p in only}}
+      return {**self._checkpoint_leaves(tree), **{f'nnx-only/{p}': flat[p] for p in self._nnx_only_paths}}
 
     return adapter.step_argument_names(lowered, state, batch, leaves)
 
