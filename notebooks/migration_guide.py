@@ -899,6 +899,12 @@ assert specs.physical_spec(('embed_vocab', 'vocab'), my_rules, mesh_sizes) != \
 # my_model = Pair('my_model', make_sides, batch=my_batch)  # batch(step, split) -> numpy dict
 # ```
 #
+# An NNX model that keeps RNG streams (a layer made with `rngs=`, such as
+# `nnx.Dropout(rate, rngs=rngs)`) needs no change either: `StockNnx` leaves the
+# streams, which a Linen `TrainState` does not have, out of every comparison of
+# numbers, and the memory, program and mesh parts show the state they add to the
+# NNX step (README, "Your own migration").
+#
 # The README's "Your own migration" section lists what each function takes,
 # the generated tests and the options; `tests/test_family_classifier.py` and
 # `tests/test_family_encoder.py` are two worked examples built from flax's
