@@ -17,7 +17,9 @@ rows of every batch. Measured here (tiny preset, mesh data=2,fsdp=4):
   either side, and the resumed runs end in the same final state bit for bit.
 * A process killed during a save leaves no partial step behind.
 * A declared pair (`--pair`, the stock classifier) is bit-identical across
-  sides in 2 processes (warm: about 5 s).
+  sides in 2 processes (warm: about 5 s); one whose states differ (a rename
+  rule left out) is a verdict there as in one process: exit 1, each path
+  named once, no report (about 4 s: nothing is compiled).
 
 The runs judge numbers only (`--numbers-only`, as before) and skip the
 program comparison they never judged (`--no-program-check`; programs are
@@ -168,6 +170,34 @@ def test_a_declared_pair_is_bit_identical_across_sides_in_two_processes(tmp_path
   assert (result['process_count'], result['num_devices']) == (2, 8)
   assert result['first_divergent_step'] is None and result['metric_diffs'] == [[]] * 2, result['metric_diffs']
   assert result['state_diffs'] == []
+
+
+def test_a_pair_whose_states_differ_is_a_verdict_in_two_processes(tmp_path):
+  """A rename rule left out, run as 2 processes: exit 1 (a verdict, not a failed process),
+  each path named once, by process 0, and no report; nothing is compiled."""
+  (tmp_path / 'renamed.py').write_text(
+      'import dataclasses\n'
+      'from bridge.stock import Renames\n'
+      'from tests import test_family_classifier as classifier\n\n'
+      'def sides(mesh):\n'
+      '  linen, nnx_side = classifier.make_sides(classifier.CFG, mesh)\n'
+      "  rules = tuple(r for r in classifier.RENAMES.rules if r[0] != 'Dense_0')\n"
+      '  return linen, dataclasses.replace(nnx_side, renames=Renames(rules))\n\n'
+      'pair = dataclasses.replace(classifier.classifier, make_sides=sides)\n'
+  )
+  out = tmp_path / 'pair.json'
+  env = _env()
+  env['PYTHONPATH'] = os.pathsep.join(filter(None, (str(pathlib.Path(__file__).parents[1]), env.get('PYTHONPATH'))))
+  done = subprocess.run(
+      [sys.executable, '-m', 'parity', 'compare', '--pair', f'{tmp_path / "renamed.py"}:pair', '--mesh', 'data=2',
+       '--steps', '2', '--json', str(out), '--processes', '2', '--timeout', str(TIMEOUT_S)],
+      env=env, capture_output=True, text=True, timeout=TIMEOUT_S + 60,
+  )
+  assert done.returncode == 1, f'exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}'
+  assert done.stdout.count('verdict: STATES DIFFER (nothing trained)') == 1, done.stdout
+  assert done.stdout.count('params/Dense_0/kernel: missing') == 1, done.stdout
+  assert 'params/head/kernel: extra' in done.stdout
+  assert 'failed' not in done.stderr and not out.exists(), done.stderr
 
 
 # ---------------------------------------------------------------------------
