@@ -529,11 +529,15 @@ def check_memory(pair: adapter.Pair) -> list[str]:
   if runner.declared_memory_admits(known, *mem):
     return [f'memory differs within the declared bound (NNX {", ".join(drift)}; at most'
             f' {known.max_temp_bytes:,} B of temporaries, {", ".join(known.paths)}: {known.reason})']
+  linen, nnx_ = runs.compiled('linen'), runs.compiled('nnx')
+  growth = programs.loop_carry_growth(
+      linen.compared_text, nnx_.compared_text, linen.argument_names, nnx_.argument_names)
   raise AssertionError(
       f'{pair.name}: XLA memory analysis of the train steps differs: NNX ' + ', '.join(drift)
       + ('' if known is None or 'memory' not in known.passes else
          f' (beyond the declared memory difference: temporaries and peak within'
          f' {known.max_temp_bytes:,} B each, everything else equal)')
+      + (f'; in the programs, {growth}' if growth else '')
   )
 
 
@@ -555,7 +559,7 @@ def check_program(pair: adapter.Pair) -> list[str]:
     where = ''
     if outside is not None:
       where = ('; identical outside those modules: the declared modules changed more than the bound'
-               if outside.identical else f'; outside those modules too: {outside.summary()}')
+               if outside.identical else f'; outside those modules too: {outside.summary(loop_growth=False)}')
     raise AssertionError(
         f'{pair.name}: {d.summary()}'
         + ('' if known is None else

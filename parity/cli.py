@@ -253,6 +253,20 @@ def cmd_compare(args) -> int:
   return 0
 
 
+def _put_on_path(file: str) -> None:
+  """Where pytest's default import mode puts a test file's root: the file's own
+  directory, or above its package (the first directory up without an
+  `__init__.py`), first on `sys.path`, so the file imports its sibling modules
+  under `parity compare` as it does under pytest."""
+  import os
+
+  root = os.path.dirname(os.path.abspath(file))
+  while os.path.isfile(os.path.join(root, '__init__.py')):
+    root = os.path.dirname(root)
+  if root not in sys.path:
+    sys.path.insert(0, root)
+
+
 def _load_pair(spec: str):
   """The `Pair` named by `FILE.py:NAME` or `module.path:NAME`."""
   import importlib
@@ -268,6 +282,7 @@ def _load_pair(spec: str):
     if where.endswith('.py'):
       if not os.path.isfile(where):
         raise BadInput(f'--pair {spec}: no file {where}')
+      _put_on_path(where)
       module_spec = importlib.util.spec_from_file_location(f'_parity_pair_{abs(hash(where))}', where)
       module = importlib.util.module_from_spec(module_spec)
       # Registered while it runs, as an import is: a dataclass (a flax struct, a TrainState

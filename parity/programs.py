@@ -968,6 +968,68 @@ def loop_order_difference(linen_text: str, nnx_text: str, reorder_only: bool = F
   )
 
 
+_MAIN_ARGUMENT = re.compile(r'%arg(\d+): (tensor<[^>]*>)')
+
+
+def _parameter_types(text: str, names: list[str] | None) -> list[str]:
+  """The types of the program's parameter arguments (`params/...` by name)."""
+  if names is None:
+    return []
+  main = re.search(r'func\.func public @main\((.*?)\)\s*->', text, re.S)
+  if main is None:
+    return []
+  return [t for k, t in _MAIN_ARGUMENT.findall(main.group(1))
+          if int(k) < len(names) and names[int(k)].startswith('params/')]
+
+
+def loop_carry_growth(
+    linen_text: str, nnx_text: str, linen_args: list[str] | None = None, nnx_args: list[str] | None = None
+) -> str:
+  """'' unless a loop of one side carries what its counterpart carries and more; else which, and what.
+
+  Loops carrying the same sequence of types pair first; a loop left is paired
+  with one of the other side's left whose carried types include all of its own. Where the
+  values only NNX carries each have a parameter's type, the usual cause is
+  named: a module's state coming back out of a transformed call (`nnx.remat`
+  over a module returns it, and a scan then carries it through the loop).
+  """
+  a, b = loop_carries(linen_text), loop_carries(nnx_text)
+  left_b = list(enumerate(b))
+  left_a = []
+  for k, x in enumerate(a):
+    j = next((j for j, (_, y) in enumerate(left_b) if y == x), None)
+    if j is None:
+      left_a.append((k, x))
+    else:
+      del left_b[j]
+
+  def extra(big: list[str], small: list[str]) -> list[str] | None:
+    counts = collections.Counter(big)
+    counts.subtract(small)
+    if len(big) <= len(small) or any(v < 0 for v in counts.values()):
+      return None
+    return list(counts.elements())
+
+  for k, x in left_a:
+    for m, y in left_b:
+      for more, fewer, what, (i, j), side_text, side_args in (
+          ('NNX', 'Linen', extra(y, x), (m, k), nnx_text, nnx_args),
+          ('Linen', 'NNX', extra(x, y), (k, m), linen_text, linen_args),
+      ):
+        if what is None:
+          continue
+        shown = ', '.join(what[:4]) + (', ...' if len(what) > 4 else '')
+        line = (f"{more}'s loop {i} carries {len(what)} values more than {fewer}'s loop {j}"
+                f' (of {len(a)}, in program order): {shown}')
+        params = collections.Counter(_parameter_types(side_text, side_args))
+        if more == 'NNX' and params and not collections.Counter(what) - params:
+          line += (', each of a parameter\'s type: a module\'s state coming back out of a transformed'
+                   ' call, as `nnx.remat` over a module returns it; `jax.checkpoint` over the state'
+                   ' `nnx.split` gives, merged inside, takes it in only, as Linen\'s `nn.remat` does')
+        return line
+  return ''
+
+
 @dataclasses.dataclass
 class ProgramDiff:
   identical: bool
@@ -992,8 +1054,11 @@ class ProgramDiff:
   # or an input one side never reads (jit drops it).
   arguments_only_linen: list[str] = dataclasses.field(default_factory=list)
   arguments_only_nnx: list[str] = dataclasses.field(default_factory=list)
+  # Where they differ: a loop carrying its counterpart's values and more (`loop_carry_growth`).
+  loop_growth: str = ''
 
-  def summary(self) -> str:
+  def summary(self, loop_growth: bool = True) -> str:
+    """One line; `loop_growth=False` leaves out `loop_growth`, for a second summary beside one that has it."""
     if self.identical:
       except_ = f' except: {", ".join(self.allowed)}' if self.allowed else ''
       return f'programs identical{except_} ({self.linen_lines} canonical lines)'
@@ -1003,6 +1068,7 @@ class ProgramDiff:
         f'programs differ: first difference at canonical line {self.first_difference}'
         f' of {self.linen_lines} (Linen) / {self.nnx_lines} (NNX); {self.changed_lines}'
         ' lines changed' + (f'; besides, {self.loop_reorder}' if self.loop_reorder else '')
+        + (f'; {self.loop_growth}' if self.loop_growth and loop_growth else '')
         + one_sided_arguments(self.arguments_only_linen, self.arguments_only_nnx)
     )
 
@@ -1131,6 +1197,7 @@ def diff(
       parting_linen=[_clip(a[i].strip(), width) for i in parting[0]],
       parting_nnx=[_clip(b[i].strip(), width) for i in parting[1]],
       allowed=allowed_names, loop_reorder=loop_order_difference(linen_text, nnx_text, reorder_only=True),
+      loop_growth=loop_carry_growth(linen_text, nnx_text, linen_args, nnx_args),
       **_arguments_only(linen_args, nnx_args),
   )
 

@@ -336,6 +336,33 @@ def test_a_pair_file_defining_a_dataclass_loads(tmp_path):
   assert cli._load_pair(f'{pair_file}:pair').name == 'mine'
 
 
+@pytest.mark.parametrize('package', [False, True], ids=['beside-it', 'in-a-package'])
+def test_a_pair_file_imports_its_sibling_modules_as_under_pytest(package, tmp_path, monkeypatch):
+  """A test file importing the user's models from beside it (`from stack_models import ...`),
+  or from its package (`from pkg.stack_models import ...`, an `__init__.py` beside it), loads
+  under `parity compare` from any working directory, as pytest's default import mode has it."""
+  import sys
+
+  monkeypatch.setattr(sys, 'path', list(sys.path))  # what the load adds is undone
+  monkeypatch.chdir('/')
+  where = tmp_path / 'pkg_for_pair' if package else tmp_path
+  where.mkdir(exist_ok=True)
+  if package:
+    (where / '__init__.py').write_text('')
+  name = f'sibling_models_{"pkg" if package else "flat"}'
+  (where / f'{name}.py').write_text('NAME = "from a sibling"\n')
+  importer = f'from pkg_for_pair.{name} import NAME' if package else f'from {name} import NAME'
+  (where / 'test_my_pair.py').write_text(
+      f'{importer}\n'
+      'from parity.adapter import Pair\n'
+      'pair = Pair(NAME, lambda mesh: None, lambda step, split="train": {})\n'
+  )
+  for module in (name, f'pkg_for_pair.{name}', 'pkg_for_pair'):
+    monkeypatch.delitem(sys.modules, module, raising=False)
+  assert cli._load_pair(f'{where / "test_my_pair.py"}:pair').name == 'from a sibling'
+  assert sys.path[0] == str(tmp_path)
+
+
 def test_compare_without_the_program_check_says_not_compared(capsys, tmp_path):
   """`--no-program-check`: the numbers and memory are compared, the programs are not."""
   report = tmp_path / 'report.json'

@@ -359,6 +359,66 @@ def test_a_loop_carried_in_another_order_is_named_in_programs_that_differ_otherw
   assert not plain.identical and plain.loop_reorder == '' and 'besides' not in plain.summary()
 
 
+def _stacked_step(remat_module: bool) -> tuple[str, list[str]]:
+  """An NNX train-like step over 2 stacked blocks in `nnx.scan`, each rematerialised: with
+  `nnx.remat` over the module, or with `jax.checkpoint` over its split state (the decoder's
+  way, `models/nnx/decoder._remat_layer`); the step reads the parameters after the forward
+  pass, as an optimizer does. Returns the lowered program and its argument names."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return x + jnp.tanh(self.lin(x))
+
+  @nnx.split_rngs(splits=2)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs):
+    return Block(rngs)
+
+  def body(x, block):
+    if remat_module:
+      return nnx.remat(lambda b, x: b(x))(block, x)
+    graphdef, state = nnx.split(block)
+    return jax.checkpoint(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+
+  graphdef, state = nnx.split(make(nnx.Rngs(0)))
+
+  def step(state, x):
+    model = nnx.merge(graphdef, state)
+    grads = nnx.grad(lambda m: nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, m).sum())(model)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(model, nnx.Param), grads)
+
+  names = [f'params/blocks/{i}' for i in range(len(jax.tree.leaves(state)))] + ['x']
+  return jax.jit(step).lower(state, jnp.ones((3, 4))).as_text(), names
+
+
+def test_a_loop_carrying_a_modules_state_back_out_of_nnx_remat_is_named_with_its_fix():
+  """`nnx.remat` over a scanned module returns the module's state, so the forward loop carries
+  each stacked parameter out again (+8.7 kB of temporaries in a user's stack, measured): the
+  summary names the loop, the values only NNX carries and the fix. The Linen role is played
+  by the same NNX code with `jax.checkpoint` over the split state, whose loops carry what
+  Linen's `nn.remat` loops do."""
+  (split, split_names), (module, module_names) = _stacked_step(False), _stacked_step(True)
+  grown = programs.loop_carry_growth(split, module, split_names, module_names)
+  assert grown.startswith("NNX's loop 0 carries 2 values more than Linen's loop 0 (of 2, in program order):"
+                          ' tensor<2x4xf32>, tensor<2x4x4xf32>, each of a parameter\'s type'), grown
+  assert '`nnx.remat` over a module returns it' in grown
+  d = programs.diff(split, module, linen_args=split_names, nnx_args=module_names)
+  assert not d.identical and d.loop_growth == grown and grown in d.summary()
+  assert grown not in d.summary(loop_growth=False)
+  assert programs.loop_carry_growth(split, split, split_names, split_names) == ''
+  # The other way round: Linen carries more, and nothing is said about nnx.remat.
+  reverse = programs.loop_carry_growth(module, split, module_names, split_names)
+  assert reverse.startswith("Linen's loop 0 carries 2 values more than NNX's loop 0") and 'remat' not in reverse
+  # Without argument names, what the extra values are is not known: no cause is named.
+  assert 'remat' not in programs.loop_carry_growth(split, module)
+
+
 def test_loops_are_paired_by_what_they_carry_not_by_their_place_in_the_text():
   """The same loops printed in another order are no difference; a loop carrying its values otherwise still is."""
   x_first, y_first = _two_loops(True), _two_loops(False)
