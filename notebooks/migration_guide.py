@@ -905,6 +905,15 @@ assert specs.physical_spec(('embed_vocab', 'vocab'), my_rules, mesh_sizes) != \
 # numbers, and the memory, program and mesh parts show the state they add to the
 # NNX step (README, "Your own migration").
 #
+# Two NNX habits do give another program, and the battery says which: NNX
+# attributes that sort otherwise than the Linen modules they replace change
+# the order in which `optax.clip_by_global_norm` adds the leaves (the localizer
+# names the first parameter out of order), and `nnx.remat` over a module
+# returns the module's state, so a scanned stack carries its parameters out of
+# the loop again (the memory and program parts name the loop and the fix,
+# `jax.checkpoint` over the state `nnx.split` gives, as this decoder's
+# `_remat_layer` does).
+#
 # The README's "Your own migration" section lists what each function takes,
 # the generated tests and the options; `tests/test_family_classifier.py` and
 # `tests/test_family_encoder.py` are two worked examples built from flax's
