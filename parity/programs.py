@@ -987,11 +987,12 @@ def loop_carry_growth(
 ) -> str:
   """'' unless a loop of one side carries what its counterpart carries and more; else which, and what.
 
-  Loops carrying the same sequence of types pair first; a loop left is paired
-  with one of the other side's left whose carried types include all of its own. Where the
-  values only NNX carries each have a parameter's type, the usual cause is
-  named: a module's state coming back out of a transformed call (`nnx.remat`
-  over a module returns it, and a scan then carries it through the loop).
+  Loops carrying the same sequence of types pair first; a loop left is
+  paired with one of the other side's left whose carried types include all
+  of its own. Where the values only NNX carries each have a parameter's type
+  (`params/...` arguments, by the names given), the usual cause is named: a
+  module's state coming back out of a transformed call (`nnx.remat` over a
+  module returns it, and a scan then carries it through the loop).
   """
   a, b = loop_carries(linen_text), loop_carries(nnx_text)
   left_b = list(enumerate(b))
