@@ -312,6 +312,9 @@ class _Canonicalizer:
     self._first_use: dict[str, dict[str, tuple]] = {}
     # An opaque value -> (its module, the values from outside the module it stands on).
     self._opaque_inputs: dict[str, tuple[str, frozenset[str]]] = {}
+    # Values computed from constants alone (no argument, no side effect): not an input an
+    # opaque module stands on (`_opaque`), wherever jax located them.
+    self._literals: set[str] = set()
 
   # -- statements and blocks -------------------------------------------------
 
@@ -361,6 +364,10 @@ class _Canonicalizer:
     for i, (name, count) in enumerate(def_names):
       suffix = f'_{i}' if len(def_names) > 1 else ''
       defs.append((name, f'%v{token}{suffix}' if not suffix else f'%v{_hash(token + suffix)}'))
+    side_effect = not def_names or 'has_side_effect = true' in header
+    # Names not in scope are bound by the operation's own regions.
+    if not side_effect and all(scope[r] in self._literals for r in refs if r in scope):
+      self._literals.update(value for _, value in defs)
     if result_order is not None and len(def_names) == 1:
       name = def_names[0][0]
       aliases = {f'{name}#{old}': f'%v{token}#{new}' for old, new in result_order.items()}
@@ -370,7 +377,7 @@ class _Canonicalizer:
         refs=refs,
         token=token,
         terminator=not def_names and bool(_TERMINATORS.match(header)),
-        side_effect=not def_names or 'has_side_effect = true' in header,
+        side_effect=side_effect,
         aliases=aliases,
     )
 
@@ -402,6 +409,11 @@ class _Canonicalizer:
         inside = self._opaque_inputs.get(value) or self._opaque_inputs.get(value.split('#', 1)[0])
         if inside is not None and inside[0] == module:
           inputs |= inside[1]
+        elif value.split('#', 1)[0] in self._literals:
+          # A constant the module reads is how it computes (jax may locate a constant
+          # at the jit's root, not in the module using it): neither an input nor kept
+          # live by the module; its other users compare it.
+          continue
         else:
           inputs.add(value)
         names.add(m.group(1))

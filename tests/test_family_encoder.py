@@ -102,12 +102,21 @@ STOCK_ATTENTION = KnownDifference(
         ' giving NNX the Linen formula makes every check bitwise (the encoder pair)'
     ),
 )
+STOCK_ATTENTION_PROGRAM = KnownDifference(
+    paths=STOCK_ATTENTION.paths + LAYER_NORM_PROGRAM.paths,
+    passes=('program',),
+    max_changed_lines=2231,  # measured: 2231 on jax 0.10, 2219 on jax 0.12
+    reason=(
+        'the stock attention and layer norms lower differently; their constants (the scale, the'
+        ' mask value), which jax locates at the jit root, are part of how they compute'
+    ),
+)
 encoder_stock_attention = Pair(
     'encoder_stock_attention',
     functools.partial(make_sides, STOCK),
     functools.partial(encoder_batch, STOCK),
-    known_differences=(STOCK_ATTENTION,),
-    parts=('structure', 'specs', 'localize'),
+    known_differences=(STOCK_ATTENTION, STOCK_ATTENTION_PROGRAM),
+    parts=('structure', 'specs', 'localize', 'program'),
 )
 
 

@@ -126,6 +126,43 @@ def test_a_module_computing_otherwise_with_a_multi_result_operation_is_the_same_
   assert d.identical, d.diff
 
 
+def _scaled(constant: str, op: str, constant_used_outside: bool = False, feed: str = 'negate') -> str:
+  """Module M scales `feed(%arg0)` by a constant that jax located at the jit's root, as it locates
+  the scale and the mask value of flax's stock attention; outside M, `%1 * %1`, or `%1 * scale`."""
+  outside = '%b' if constant_used_outside else '%1'
+  return '\n'.join([
+      'module @m {',
+      '  func.func public @main(%arg0: tensor<4xf32>) -> (tensor<4xf32>) {',
+      f'    %x = stablehlo.{feed} %arg0 : tensor<4xf32> loc(#loc0)',
+      f'    %c = stablehlo.constant dense<{constant}> : tensor<f32> loc(#loc0)',
+      '    %b = stablehlo.broadcast_in_dim %c, dims = [] : (tensor<f32>) -> tensor<4xf32> loc(#loc0)',
+      f'    %1 = stablehlo.{op} %x, %b : tensor<4xf32> loc(#loc1)',
+      f'    %2 = stablehlo.multiply %1, {outside} : tensor<4xf32> loc(#loc2)',
+      '    return %2 : tensor<4xf32>',
+      '  }',
+      '}',
+      '#loc0 = loc("jit(f)")',
+      '#loc1 = loc("Net/M/op")',
+      '#loc2 = loc("Net/mul")',
+  ])
+
+
+def test_a_constant_located_outside_the_declared_module_is_part_of_how_it_computes():
+  """Linen's stock attention divides by 8.0 where NNX's multiplies by 0.353553385, each constant
+  located at the jit's root: with the module declared, the programs are identical outside it.
+  A constant that a user outside the module reads too is compared there."""
+  linen, nnx_ = _scaled('8.000000e+00', 'divide'), _scaled('0.353553385', 'multiply')
+  assert not programs.diff(linen, nnx_).identical
+  d = programs.diff(linen, nnx_, opaque_modules=('M',))
+  assert d.identical, d.diff
+  shared = programs.diff(_scaled('8.000000e+00', 'divide', constant_used_outside=True),
+                         _scaled('0.353553385', 'multiply', constant_used_outside=True), opaque_modules=('M',))
+  assert not shared.identical and '0.353553385' in shared.diff, shared.diff
+  # What feeds the module from outside is still compared.
+  fed = programs.diff(linen, _scaled('8.000000e+00', 'divide', feed='abs'), opaque_modules=('M',))
+  assert not fed.identical and 'abs' in fed.diff, fed.diff
+
+
 class LinenRemat(nn.Module):
   @nn.compact
   def __call__(self, x):
