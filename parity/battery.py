@@ -105,7 +105,7 @@ class _Runs:
       result = self.localization(step, init_side)
     except Exception as e:  # the localizer must never hide the failure it explains
       return [f'localizer failed: {type(e).__name__}: {e}'] + self.parameter_order_lines()
-    lines = result.lines()
+    lines = result.lines() + self.rng_stream_lines(result)
     if result.first(step) is None:
       if metric_diffs and all(d.kind != 'bits' for d in metric_diffs):
         lines.append(
@@ -119,6 +119,23 @@ class _Runs:
       lines += self.update_lines(step, init_side)
       lines += self.parameter_order_lines()
     return lines
+
+  def rng_stream_lines(self, result: localize.Localization) -> list[str]:
+    """A line when the module the localizer names holds an RNG stream kept in the NNX model
+    (`StockNnx.rng_stream_paths`): the masks such a layer draws cannot be Linen's."""
+    found = result.first()
+    streams_of = getattr(self.side('nnx'), 'rng_stream_paths', None)  # the stock NNX side's
+    if found is None or streams_of is None:
+      return []
+    module = found['path']
+    streams = [p for p in streams_of() if p == module or p.startswith(module + '/')]
+    if not streams:
+      return []
+    return [f'{module} draws from an RNG stream kept in the NNX model ({", ".join(streams)}), which'
+            ' a Linen TrainState does not hold, so its masks cannot be those of Linen\'s make_rng:'
+            ' derive the key from the step (dropout_base) and pass it at the call on both sides,'
+            ' as `nn.Dropout(...)(x, rng=key)` and `nnx.Dropout(...)(x, rngs=key)`'
+            ' (README, "Your own migration")']
 
   def update_lines(self, step: int, init_side: str = 'linen') -> list[str]:
     """Where the two states part after train step `step`, both from the Linen state before it:

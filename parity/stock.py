@@ -339,6 +339,13 @@ class StockNnx(_Stock):
   def _nnx_only_paths(self) -> set[str]:
     return bridge_stock.nnx_only_paths(self.template, self.nnx_only)
 
+  def rng_stream_paths(self) -> list[str]:
+    """The model's RNG-stream variables kept as `nnx_only` state, by their Linen paths
+    (`renames.to_linen`, e.g. `Dropout_0/rngs/key`): what a layer drawing from a stream
+    kept in the model reads, which a Linen `TrainState` does not hold."""
+    streams = bridge_stock.nnx_only_paths(self.template, (nnx.RngState,)) & self._nnx_only_paths
+    return sorted(self.renames.to_linen(p.split('/', 1)[1]) for p in streams if p.startswith('0/'))
+
   @functools.cached_property
   def _nnx_only_state(self) -> Any:
     """The state of the `nnx_only` types as `create(0)` makes it (None if there is none)."""

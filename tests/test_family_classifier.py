@@ -486,6 +486,49 @@ def _stream_sides(mesh):
   return linen, dataclasses.replace(nnx_side, create=create)
 
 
+def _drawing_sides(mesh):
+  """`_stream_sides`, the dropout drawing from its stream: the key passed at the call is ignored,
+  as a model written with flax's NNX idiom (`self.dropout(x)`) has it."""
+  from flax import nnx
+
+  class StreamDropout(nnx.Dropout):
+    def __call__(self, inputs, *, deterministic=None, rngs=None):
+      del rngs
+      return super().__call__(inputs, deterministic=deterministic)
+
+  linen, nnx_side = make_sides(CFG, mesh)
+
+  def create(seed):
+    model, optimizer = nnx_classifier.create_train_state(CFG, seed)
+    model.dropout = StreamDropout(CFG.dropout_rate, rngs=nnx.Rngs(dropout=seed))
+    return model, optimizer
+
+  return linen, dataclasses.replace(nnx_side, create=create)
+
+
+@pytest.mark.xdist_group('parity-classifier')
+def test_a_dropout_drawing_from_a_stream_kept_in_the_nnx_model_is_named_with_the_fix():
+  """Stock dropout on both sides, NNX's drawing from its stream: the masks differ from the
+  first step; the localizer names the dropout module, and says that it holds a stream Linen
+  has not and how the classifier family makes the masks equal."""
+  from parity import battery
+
+  pair = Pair('rng_stream_drawn', _drawing_sides, functools.partial(classifier_batch, CFG),
+              known_differences=(BATCH_NORM_PROGRAM,), parts=('structure', 'grads'))
+  battery.check_structure(pair)
+  with pytest.raises(AssertionError) as failure:
+    battery.check_grads(pair)
+  message = str(failure.value)
+  assert "forward pass: first differs at module Dropout_0" in message, message
+  assert ('Dropout_0 draws from an RNG stream kept in the NNX model (Dropout_0/rngs/count,'
+          ' Dropout_0/rngs/key)') in message, message
+  assert '`nnx.Dropout(...)(x, rngs=key)`' in message
+  # The family's own pair, whose NNX dropout keeps no stream, gets no such line.
+  _, plain = make_sides(CFG, None)
+  assert plain.rng_stream_paths() == [] and _stream_sides(None)[1].rng_stream_paths() == [
+      'Dropout_0/rngs/count', 'Dropout_0/rngs/key']
+
+
 @pytest.mark.xdist_group('parity-classifier')
 def test_an_rng_stream_kept_in_the_nnx_model_is_carried_outside_the_comparison():
   """`StockNnx(nnx_only=(nnx.RngState,))`, the default: the stream (`RngKey`, `RngCount`) is in
