@@ -410,13 +410,22 @@ def check_init(pair: adapter.Pair) -> None:
 
 
 def check_eval(pair: adapter.Pair) -> list[str]:
+  """The eval steps, first from one state (the Linen run's, carried to NNX), so that a
+  difference there is the eval steps' own; then each from its side's own training, which
+  also reads what the checkpoint layout leaves out (state only NNX keeps)."""
   __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
-  out = {}
-  for side in runs.sides():
-    *_, state = runs.trajectory(side.name, 'linen')
-    out[side.name] = dict(side.eval_step(state, runs.batch(0, 'eval')))
-  return compare(pair, 'eval', out['linen'], out['nnx'], 'eval metrics after training')
+  batch = runs.batch(0, 'eval')
+  _, trained, linen_state = runs.trajectory('linen', 'linen')
+  linen_metrics = dict(runs.side('linen').eval_step(linen_state, batch))
+  nnx_side = runs.side('nnx')
+  seen = compare(pair, 'eval', linen_metrics, dict(nnx_side.eval_step(nnx_side.from_checkpoint(trained), batch)),
+                 f'eval metrics from one state (the Linen run\'s after {pair.steps} steps)')
+  *_, nnx_state = runs.trajectory('nnx', 'linen')
+  own = compare(pair, 'eval', linen_metrics, dict(nnx_side.eval_step(nnx_state, batch)),
+                'eval metrics after each side\'s own training (the eval steps agree from one state:'
+                ' the trained states differ, see the train part)')
+  return seen + [line for line in own if line not in seen]
 
 
 def check_checkpoint(pair: adapter.Pair, direction: str) -> None:

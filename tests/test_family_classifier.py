@@ -486,6 +486,38 @@ def _stream_sides(mesh):
   return linen, dataclasses.replace(nnx_side, create=create)
 
 
+def _eval_pair(name: str, nnx_cfg=None, eval_scale: float | None = None) -> Pair:
+  """The classifier with its NNX side changed: another config (`nnx_cfg`), or an eval step
+  whose loss is scaled by `eval_scale`; one train step."""
+  def sides(mesh):
+    linen, nnx_side = make_sides(CFG, mesh)
+    if nnx_cfg is not None:
+      nnx_side = dataclasses.replace(nnx_side, create=functools.partial(nnx_classifier.create_train_state, nnx_cfg))
+    if eval_scale is not None:
+      def eval_step(model, batch):
+        metrics = nnx_classifier.eval_step(model, batch)
+        return {**metrics, 'loss': metrics['loss'] * eval_scale}
+      nnx_side = dataclasses.replace(nnx_side, eval_step_fn=eval_step)
+    return linen, nnx_side
+
+  return Pair(name, sides, functools.partial(classifier_batch, CFG), steps=1, parts=('eval',))
+
+
+@pytest.mark.xdist_group('parity-classifier')
+def test_the_eval_part_compares_the_eval_steps_from_one_state_first():
+  """An eval step that differs fails from one state, whatever the training did; a train step
+  that differs (another dropout rate: eval has dropout off) leaves the eval steps equal from
+  one state, and the eval part says the trained states differ instead."""
+  from parity import battery
+
+  with pytest.raises(AssertionError, match=r"eval_differs: eval metrics from one state \(the Linen run's after 1"
+                     r' steps\) are not bit-identical: 1 leaf/leaves differ[\s\S]*\bloss: bits'):
+    battery.check_eval(_eval_pair('eval_differs', eval_scale=1.5))
+  with pytest.raises(AssertionError, match=r"train_differs: eval metrics after each side's own training \(the"
+                     r' eval steps agree from one state: the trained states differ, see the train part\)'):
+    battery.check_eval(_eval_pair('train_differs', nnx_cfg=dataclasses.replace(CFG, dropout_rate=0.2)))
+
+
 def _drawing_sides(mesh):
   """`_stream_sides`, the dropout drawing from its stream: the key passed at the call is ignored,
   as a model written with flax's NNX idiom (`self.dropout(x)`) has it."""
