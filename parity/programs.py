@@ -935,6 +935,20 @@ def loop_carries(text: str) -> list[list[str]]:
   return [_split_top_level(m.group(1).strip()) for m in _WHILE_TYPES.finditer(text)]
 
 
+def _unpaired_loops(a: list[list[str]], b: list[list[str]]):
+  """The loops (index, carried types) of each side left when each loop is paired with one of
+  the other side's carrying the same sequence of types, first come first paired."""
+  left_b = list(enumerate(b))
+  left_a = []
+  for k, x in enumerate(a):
+    j = next((j for j, (_, y) in enumerate(left_b) if y == x), None)
+    if j is None:
+      left_a.append((k, x))
+    else:
+      del left_b[j]
+  return left_a, left_b
+
+
 def loop_order_difference(linen_text: str, nnx_text: str, reorder_only: bool = False) -> str:
   """'' when both programs' loops carry the same types in the same order; else where they differ.
 
@@ -950,14 +964,7 @@ def loop_order_difference(linen_text: str, nnx_text: str, reorder_only: bool = F
   a, b = loop_carries(linen_text), loop_carries(nnx_text)
   if len(a) != len(b):
     return '' if reorder_only else f'Linen has {len(a)} loops, NNX {len(b)}'
-  unpaired_nnx = list(enumerate(b))
-  unpaired_linen = []
-  for k, x in enumerate(a):
-    j = next((j for j, (_, y) in enumerate(unpaired_nnx) if y == x), None)
-    if j is None:
-      unpaired_linen.append((k, x))
-    else:
-      del unpaired_nnx[j]
+  unpaired_linen, unpaired_nnx = _unpaired_loops(a, b)
   if not unpaired_linen:
     return ''
   k, x = unpaired_linen[0]
@@ -1007,14 +1014,7 @@ def loop_carry_growth(
   module returns it, and a scan then carries it through the loop).
   """
   a, b = loop_carries(linen_text), loop_carries(nnx_text)
-  left_b = list(enumerate(b))
-  left_a = []
-  for k, x in enumerate(a):
-    j = next((j for j, (_, y) in enumerate(left_b) if y == x), None)
-    if j is None:
-      left_a.append((k, x))
-    else:
-      del left_b[j]
+  left_a, left_b = _unpaired_loops(a, b)
 
   def extra(big: list[str], small: list[str]) -> list[str] | None:
     counts = collections.Counter(big)
