@@ -228,7 +228,9 @@ class Report:
         'Memory: XLA memory analysis of each compiled train step (per device); the verdict'
         ' compares arguments, outputs, temporaries, aliased and peak bytes.',
         ('Program: both train steps canonicalised (arguments named by state path) and'
-         ' compared; allowed: ' + '; '.join(f'{a.name} ({a.reason})' for a in programs.ALLOWED))
+         ' compared; ' + ('allowed: ' + '; '.join(f'{a.name} ({a.reason})' for a in programs.ALLOWED
+                                                  if a.name in r.program_diff.allowed)
+                          if r.program_diff.allowed else 'nothing allowed'))
         if r.program_diff is not None else 'Program: not compared (the run skipped it).',
         f'XLA flags (both sides): {" ".join(self.xla_flags) or "(none)"}',
     ]

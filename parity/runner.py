@@ -313,6 +313,9 @@ class CompiledStep:
   # What the program diff reads (see `comparison_lowering`); None when not asked for.
   compared_text: str | None
   argument_names: list[str] | None  # per argument of the compared program's @main
+  # Whether `side.comparison_state` changed the state the comparison traces (an allowed
+  # difference of `programs.ALLOWED` applied on this side).
+  allowed_applied: bool = False
 
   @property
   def batch_sharding(self) -> Any:
@@ -343,8 +346,20 @@ def compile_step(
       comparison_lowering(side, state, batch, dropout_base) if compare_program else (None, None)
   )
   return CompiledStep(
-      executable, lowered.as_text(), lowered_at - start, done - start, compared, names
+      executable, lowered.as_text(), lowered_at - start, done - start, compared, names,
+      allowed_applied=compare_program and comparison_changes_state(side, state),
   )
+
+
+def comparison_changes_state(side: Any, state: Any) -> bool:
+  """Whether `side.comparison_state` traces the step with another state (shapes, dtypes or
+  structure) than the side's own: an allowed difference applied."""
+  own = jax.tree.map(_abstract, state)
+  compared = side.comparison_state(own)
+  if jax.tree.structure(own) != jax.tree.structure(compared):
+    return True
+  return any((a.shape, a.dtype) != (b.shape, b.dtype)
+             for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(compared)))
 
 
 def comparison_lowering(side: Any, state: Any, batch: Any, dropout_base: Any) -> tuple[str, list[str]]:
@@ -383,7 +398,8 @@ def program_diff_of(
     raise ValueError('program_diff_of needs both steps compiled with compare_program=True')
   return programs.diff(
       linen.compared_text, nnx.compared_text,
-      linen_args=linen.argument_names, nnx_args=nnx.argument_names, allowed=programs.ALLOWED,
+      linen_args=linen.argument_names, nnx_args=nnx.argument_names,
+      allowed=programs.ALLOWED if linen.allowed_applied or nnx.allowed_applied else (),
       opaque_modules=opaque_modules,
   )
 

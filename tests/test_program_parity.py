@@ -104,3 +104,21 @@ def test_fp8_under_rematerialisation_is_the_same_program(scanned):
   _check_program(programs.diff(
       linen_text, nnx_text, linen_args=linen_args, nnx_args=nnx_args, allowed=programs.ALLOWED,
   ))
+
+
+def test_an_allowed_difference_is_listed_only_where_a_side_applied_it():
+  """The decoder's Linen side traces its step with a uint32 counter (the step counter dtype,
+  `programs.ALLOWED`); a side whose `comparison_state` changes nothing applies nothing, and
+  its identical programs are then identical with nothing excepted."""
+  model_cfg, train_cfg = get_configs('tiny', '01_baseline')
+  linen, nnx_side = make_sides(model_cfg, train_cfg)
+  assert runner.comparison_changes_state(linen, jax.eval_shape(lambda: linen.init(0)))
+  assert not runner.comparison_changes_state(nnx_side, jax.eval_shape(lambda: nnx_side.init(0)))
+
+  text = 'module @m {\n  func.func public @main(%arg0: tensor<f32>) -> tensor<f32> {\n    return %arg0 : tensor<f32>\n  }\n}'
+  def step(applied):
+    return runner.CompiledStep(None, text, 0.0, 0.0, text, ['x'], allowed_applied=applied)
+  plain = runner.program_diff_of(step(False), step(False))
+  assert plain.identical and plain.allowed == [] and 'except' not in plain.summary()
+  applied = runner.program_diff_of(step(True), step(False))
+  assert applied.allowed == ALLOWED and 'except: step counter dtype' in applied.summary()
