@@ -33,7 +33,27 @@ class BatchError(ValueError):
 
 @runtime_checkable
 class Side(Protocol):
-  """One side of a migration. States are pytrees; the step functions are compiled once."""
+  """One side of a migration. States are pytrees; the step functions are compiled once.
+
+  Every member is needed by some part of the battery, `probe` by the
+  localizer only (a side without it runs every other part; `make_pair_sides`
+  names what a side lacks). parity/stock.py implements them for flax's
+  stock train states, parity/sides.py for the reference decoder's own.
+
+  The checkpoint layout, which every state crosses sides in: `{path: array}`,
+  paths joined by `/`, the same paths on both sides (by convention the Linen
+  side's). Parameters are the paths under `params/` (`params/Dense_0/kernel`
+  from a stock `TrainState`), which the report counts and the localizer
+  reads by that prefix, and the keys of `value_and_grads`, `param_specs` and
+  a probe's `param_grads` are exactly the parameter paths `to_checkpoint`
+  gives; anything else (optimizer state, batch statistics, an EMA) goes
+  under names of your choice. `from_checkpoint` receives numpy or jax arrays of the
+  layout's shapes and dtypes (an Orbax restore, the other side's
+  `to_checkpoint`). `dropout_base` is one raw `uint32[2]` key per run, the
+  same for both sides; `dropout_key`, which `value_and_grads` and `probe`
+  receive, the step's key derived from it (`models.rng.step_key(dropout_base,
+  step, 0)`).
+  """
 
   name: str  # 'linen' or 'nnx'
   mesh: jax.sharding.Mesh | None  # where the side runs (None: one device)
@@ -82,7 +102,13 @@ class Side(Protocol):
     """A name per argument of the lowered step, the same on both sides (checkpoint paths)."""
 
   def probe(self, state: Any, batch: Any, dropout_key: jax.Array) -> 'Probe':
-    """Every module's forward output, output cotangent and parameter gradients (the localizer)."""
+    """Every module's forward output, output cotangent and parameter gradients (the localizer).
+
+    Optional. `parity.localize.linen_probe(loss, has_aux, state, batch, key)`
+    records a state with `.params` and `loss(params, state, batch, key)`;
+    `parity.localize.nnx_probe(loss, graphdef, state, batch, key, renames)`, a
+    state split from a `(model, anything)` pair and `loss(model, batch, key)`.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +235,50 @@ class Pair:
       if d.covers(path, pass_name):
         return d
     return None
+
+
+class SideError(TypeError):
+  """A side that does not implement `Side`, or a step returning what `Side` does not say.
+
+  A user error: the message names the side, the member and what `Side` asks.
+  """
+
+
+def side_members() -> list[str]:
+  """The attributes and methods `Side` declares."""
+  return list(Side.__annotations__) + [
+      k for k, v in vars(Side).items() if callable(v) and not k.startswith('_')]
+
+
+# Only the localizer calls `probe`: a side without it runs every other part (the
+# localize part fails naming it, and failures carry no localizer finding).
+OPTIONAL_MEMBERS = ('probe',)
+
+
+def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side, Side]:
+  """`pair.make_sides(mesh)`, checked: two sides, each with every member of `Side` but the optional."""
+  sides = pair.make_sides(mesh)
+  if not isinstance(sides, (tuple, list)) or len(sides) != 2:
+    raise SideError(f'{pair.name}: make_sides(mesh) returned {type(sides).__name__}, not (linen side, nnx side)')
+  for role, side in zip(('Linen', 'NNX'), sides):
+    missing = [m for m in side_members() if m not in OPTIONAL_MEMBERS and not hasattr(side, m)]
+    if missing:
+      raise SideError(
+          f'{pair.name}: the {role} side ({type(side).__name__}) lacks {", ".join(missing)} of'
+          ' parity.adapter.Side (each one\'s docstring says what it takes and returns; parity.stock'
+          ' implements them for flax\'s stock train states)')
+  return tuple(sides)
+
+
+def checked_metrics(pair_name: str, side: Side, step: str, metrics: Any, need_loss: bool) -> dict[str, Any]:
+  """A step's metrics as a dict, or a SideError saying what `Side` asks of them."""
+  if not isinstance(metrics, Mapping):
+    raise SideError(f'{pair_name}: the {side.name} side\'s {step} returned {type(metrics).__name__},'
+                    ' not a mapping of metric names to arrays')
+  if need_loss and 'loss' not in metrics:
+    raise SideError(f'{pair_name}: the {side.name} side\'s {step} returned metrics {sorted(metrics)}'
+                    ' without `loss` (Side.train_step: metrics with at least `loss`)')
+  return dict(metrics)
 
 
 def check_structure(name: str, linen: Side, nnx_side: Side) -> None:

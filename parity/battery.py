@@ -47,7 +47,7 @@ class _Runs:
           '--xla_force_host_platform_device_count=N set before jax starts gives N devices'
           f" (the plugin sets it for the first pair's meshes, or --parity-mesh's){where}"
       ) from None
-    return self.pair.make_sides(mesh)
+    return adapter.make_pair_sides(self.pair, mesh)
 
   def side(self, name: str, mesh_spec: str | None = None) -> adapter.Side:
     return dict(zip(('linen', 'nnx'), self.sides(mesh_spec)))[name]
@@ -61,8 +61,26 @@ class _Runs:
     return rng.base_key(self.pair.seed)
 
   @functools.cache
+  def structure_mismatch(self) -> str | None:
+    """Where the two sides' states differ in the checkpoint layout (None: nowhere)."""
+    try:
+      adapter.check_structure(self.pair.name, *self.sides())
+    except TreeMismatchError as e:
+      return str(e)
+    return None
+
+  @functools.cache
   def start(self, init_side: str, mesh_spec: str | None = None) -> dict[str, Any]:
     """`init_side`'s fresh state in the checkpoint layout."""
+    # A state carried to a side of another structure fails inside the side's own code
+    # (a KeyError in from_checkpoint): every part that runs a state says why instead.
+    mismatch = self.structure_mismatch()
+    if mismatch is not None:
+      lines = mismatch.splitlines()
+      raise AssertionError(
+          f'{self.pair.name}: the two sides\' states differ in the checkpoint layout, so nothing is'
+          ' compared here (the structure part names every path):\n' + '\n'.join(lines[:4])
+          + (f'\n  ... and {len(lines) - 4} more lines' if len(lines) > 4 else ''))
     side = self.side(init_side, mesh_spec)
     return side.to_checkpoint(side.init(self.pair.seed))
 
@@ -75,7 +93,7 @@ class _Runs:
     metrics = []
     for step in range(self.pair.steps):
       state, m = side.train_step(state, self.batch(step, mesh_spec=mesh_spec), self.dropout_base())
-      metrics.append(dict(m))
+      metrics.append(adapter.checked_metrics(self.pair.name, side, 'train_step', m, need_loss=True))
     return metrics, side.to_checkpoint(state), state
 
   @functools.cache
@@ -92,20 +110,31 @@ class _Runs:
   @functools.cache
   def localization(self, step: int = 0, init_side: str = 'linen') -> localize.Localization:
     """The localizer on train step `step`, both sides from the Linen state before it."""
+    lacking = [side.name for side in self.sides() if not hasattr(side, 'probe')]
+    if lacking:
+      raise adapter.SideError(
+          f'{self.pair.name}: the {" and ".join(lacking)} side(s) have no probe (parity.adapter.Side.probe),'
+          ' which the localizer needs: nothing localized')
     return localize.localize_step(
         *self.sides(), self.linen_state_before(step, init_side), self.batch(step),
         rng.step_key(self.dropout_base(), step, 0),
     )
 
   def localization_lines(self, step: int = 0, init_side: str = 'linen',
-                         metric_diffs: Sequence[bitwise.LeafDiff] = ()) -> list[str]:
+                         metric_diffs: Sequence[bitwise.LeafDiff] = (), part: str = 'train') -> list[str]:
     """The localizer's report on train step `step`; `metric_diffs`, that step's train
-    metrics compared, tells a metric returned as another type from a numeric divergence."""
+    metrics compared, tells a metric returned as another type from a numeric divergence;
+    `part`, the failing part ('grads' or 'train'), what agreeing probes leave."""
     try:
       result = self.localization(step, init_side)
     except Exception as e:  # the localizer must never hide the failure it explains
       return [f'localizer failed: {type(e).__name__}: {e}'] + self.parameter_order_lines()
     lines = result.lines() + self.rng_stream_lines(result)
+    if result.first(step) is None and part == 'grads':
+      lines.append('both passes are bitwise from the same state (each side\'s probe): so the sides\''
+                   ' value_and_grads compute otherwise than their probes (their paths, their loss, the'
+                   ' key they take), or the gradients differ in dtype or shape only')
+      return lines + self.parameter_order_lines()
     if result.first(step) is None:
       if metric_diffs and all(d.kind != 'bits' for d in metric_diffs):
         lines.append(
@@ -213,7 +242,7 @@ def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping
   __tracebackhide__ = _battery_frames_hidden
   seen, problems = [], []
   a, b = paths.flatten(dict(a)), paths.flatten(dict(b))
-  for d in _scalars_first(bitwise.compare_trees(a, b), a):
+  for d in _scalars_first(bitwise.compare_trees(a, b, labels), a):
     known = pair.known(d.path, pass_name) if d.kind == 'bits' else None
     if known is None:
       problems.append(str(d))
@@ -247,9 +276,9 @@ def _scalars_first(diffs: list[bitwise.LeafDiff], a: Mapping[str, Any]) -> list[
 
 def _with_localization(
     pair: adapter.Pair, error: AssertionError, step: int = 0, init_side: str = 'linen',
-    metric_diffs: Sequence[bitwise.LeafDiff] = (),
+    metric_diffs: Sequence[bitwise.LeafDiff] = (), part: str = 'train',
 ) -> AssertionError:
-  lines = _runs(pair).localization_lines(step, init_side, metric_diffs)
+  lines = _runs(pair).localization_lines(step, init_side, metric_diffs, part)
   return AssertionError(f'{error}\nlocalizer (step {step}, train mode):\n  ' + '\n  '.join(lines))
 
 
@@ -337,7 +366,7 @@ def check_grads(pair: adapter.Pair) -> list[str]:
   try:
     return compare(pair, 'grads', out['linen'], out['nnx'], 'loss and gradients')
   except AssertionError as e:
-    raise _with_localization(pair, e) from None
+    raise _with_localization(pair, e, part='grads') from None
 
 
 def check_train(pair: adapter.Pair, init_side: str) -> list[str]:
@@ -417,12 +446,16 @@ def check_eval(pair: adapter.Pair) -> list[str]:
   runs = _runs(pair)
   batch = runs.batch(0, 'eval')
   _, trained, linen_state = runs.trajectory('linen', 'linen')
-  linen_metrics = dict(runs.side('linen').eval_step(linen_state, batch))
-  nnx_side = runs.side('nnx')
-  seen = compare(pair, 'eval', linen_metrics, dict(nnx_side.eval_step(nnx_side.from_checkpoint(trained), batch)),
+  linen_side, nnx_side = runs.sides()
+
+  def evaluate(side, state):
+    return adapter.checked_metrics(pair.name, side, 'eval_step', side.eval_step(state, batch), need_loss=False)
+
+  linen_metrics = evaluate(linen_side, linen_state)
+  seen = compare(pair, 'eval', linen_metrics, evaluate(nnx_side, nnx_side.from_checkpoint(trained)),
                  f'eval metrics from one state (the Linen run\'s after {pair.steps} steps)')
   *_, nnx_state = runs.trajectory('nnx', 'linen')
-  own = compare(pair, 'eval', linen_metrics, dict(nnx_side.eval_step(nnx_state, batch)),
+  own = compare(pair, 'eval', linen_metrics, evaluate(nnx_side, nnx_state),
                 'eval metrics after each side\'s own training (the eval steps agree from one state:'
                 ' the trained states differ, see the train part)')
   return seen + [line for line in own if line not in seen]

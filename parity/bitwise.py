@@ -105,11 +105,12 @@ def compare_leaves(path: str, a: Any, b: Any) -> LeafDiff | None:
   return LeafDiff(path, 'bits', f'{a.dtype.name}{list(a.shape)}: ' + _bits_detail(a, b, bits_a, bits_b))
 
 
-def compare_trees(a: Any, b: Any) -> list[LeafDiff]:
-  """Every leaf of `a` and `b` that is not bit-identical (empty list: equal)."""
+def compare_trees(a: Any, b: Any, labels: tuple[str, str] = ('the first tree', 'the second tree')) -> list[LeafDiff]:
+  """Every leaf of `a` and `b` that is not bit-identical (empty list: equal); `labels` name
+  the two trees where a path is in one only."""
   flat_a, flat_b = paths.flatten(a), paths.flatten(b)
-  diffs = [LeafDiff(p, 'missing', 'only in the first tree') for p in sorted(set(flat_a) - set(flat_b))]
-  diffs += [LeafDiff(p, 'extra', 'only in the second tree') for p in sorted(set(flat_b) - set(flat_a))]
+  diffs = [LeafDiff(p, 'missing', f'only in {labels[0]}') for p in sorted(set(flat_a) - set(flat_b))]
+  diffs += [LeafDiff(p, 'extra', f'only in {labels[1]}') for p in sorted(set(flat_b) - set(flat_a))]
   for path in sorted(set(flat_a) & set(flat_b)):
     diff = compare_leaves(path, flat_a[path], flat_b[path])
     if diff is not None:

@@ -203,7 +203,7 @@ def cmd_compare(args) -> int:
 
       parts = set(PARTS if pair.parts is None else pair.parts)
       options['program_diff'] = options['program_diff'] and 'program' in parts
-      sides = pair.make_sides(mesh)
+      sides = adapter.make_pair_sides(pair, mesh)
       try:  # a verdict, not bad input: the sides are not the same program
         adapter.check_structure(pair.name, *sides)
       except TreeMismatchError as e:
@@ -217,7 +217,7 @@ def cmd_compare(args) -> int:
           declared_program_difference=pair.program_difference(),
           compare_memory='memory' in parts, localize_divergence='localize' in parts, **options,
       )
-  except adapter.BatchError as e:
+  except (adapter.BatchError, adapter.SideError) as e:
     raise BadInput(str(e)) from None
   except TreeMismatchError as e:  # the resumed checkpoint is not the state of these sides
     if args.resume_from is None:

@@ -40,7 +40,7 @@ import numpy as np
 from bridge import layout as layout_lib
 from models import data, rng
 from models.config import ModelConfig, TrainConfig
-from parity import bitwise, distributed, programs
+from parity import adapter, bitwise, distributed, programs
 from parity.flops import StepFlops, train_step_flops
 from parity.sides import make_sides
 
@@ -677,7 +677,7 @@ def compare_sides(
   finals = [sides[name].to_checkpoint(states[name]) for name in SIDES]
   if jax.process_count() > 1 or state_digest:  # each process holds only its shards
     finals = [distributed.host_arrays(f) for f in finals]
-  diffs = bitwise.compare_trees(*finals)
+  diffs = bitwise.compare_trees(*finals, labels=('Linen', 'NNX'))
   return CompareResult(
       steps=steps,
       init_side=None if resume_from is not None else init_side,
@@ -766,6 +766,7 @@ def _train(
     for name in order:
       start = clock()
       states[name], metrics = compiled[name].executable(states[name], batches[name], dropout_base)
+      metrics = adapter.checked_metrics('parity compare', sides[name], 'train_step', metrics, need_loss=True)
       loss = _host_value(metrics['loss'])  # the host synchronisation that ends the step
       end = clock()
       run = runs[name]
@@ -775,7 +776,7 @@ def _train(
       run.loss_hex.append(loss_hex(loss))
       step_metrics[name] = jax.tree.map(_host_value, dict(metrics))
     # Every metric the steps return, bit for bit (the loss, and e.g. the decoder's z-loss and token count).
-    metric_diffs.append([str(d) for d in bitwise.compare_trees(step_metrics['linen'], step_metrics['nnx'])])
+    metric_diffs.append([str(d) for d in bitwise.compare_trees(step_metrics['linen'], step_metrics['nnx'], ('Linen', 'NNX'))])
     if first_divergent is None and metric_diffs[-1]:
       first_divergent = step
       if divergence is not None:  # the state the divergent step started from, for the localizer

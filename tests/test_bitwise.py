@@ -93,3 +93,11 @@ def test_typed_prng_keys_compare_by_key_type_shape_and_key_data():
   shape = compare_trees({'k': key}, {'k': jax.random.split(key, 2)})
   assert [(d.path, d.kind) for d in shape] == [('k', 'shape')]
   assert digest({'k': key}) == digest({'k': jax.random.key(0)}) != digest({'k': jax.random.key(1)})
+
+
+def test_a_path_in_one_tree_only_names_that_tree():
+  a, b = {'x': np.zeros(2), 'only_a': np.ones(1)}, {'x': np.zeros(2), 'only_b': np.ones(1)}
+  assert [str(d) for d in compare_trees(a, b)] == [
+      'only_a: missing: only in the first tree', 'only_b: extra: only in the second tree']
+  assert [str(d) for d in compare_trees(a, b, ('Linen', 'NNX'))] == [
+      'only_a: missing: only in Linen', 'only_b: extra: only in NNX']

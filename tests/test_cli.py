@@ -391,3 +391,29 @@ def test_compare_of_a_pair_compares_what_its_parts_cover(monkeypatch, capsys, tm
   result = json.loads(out.read_text())
   assert (result['program_verdict'], result['memory_verdict']) == ('not compared', 'not compared')
   assert result['same_program'] and result['bitwise_equal']
+
+
+def test_compare_of_a_pair_whose_side_lacks_part_of_the_protocol_is_bad_input(monkeypatch, capsys):
+  """One line naming the side and what it lacks, exit 2, no traceback."""
+  import dataclasses
+
+  from tests import test_family_classifier as classifier
+
+  class NoSpecs:  # a user's NNX side lacking param_specs
+    def __init__(self, side):
+      self._side = side
+
+    def __getattr__(self, name):
+      if name == 'param_specs':
+        raise AttributeError(name)
+      return getattr(self._side, name)
+
+  def sides(mesh):
+    linen, nnx_side = classifier.make_sides(classifier.CFG, mesh)
+    return linen, NoSpecs(nnx_side)
+
+  monkeypatch.setattr(cli, '_load_pair', lambda spec: dataclasses.replace(classifier.classifier, make_sides=sides))
+  assert cli.main(['compare', '--pair', 'any.py:classifier', '--steps', '1']) == 2
+  err = capsys.readouterr().err
+  assert 'parity: error: classifier: the NNX side (NoSpecs) lacks param_specs of parity.adapter.Side' in err, err
+  assert 'Traceback' not in err

@@ -518,6 +518,59 @@ def test_the_eval_part_compares_the_eval_steps_from_one_state_first():
     battery.check_eval(_eval_pair('train_differs', nnx_cfg=dataclasses.replace(CFG, dropout_rate=0.2)))
 
 
+class _ScaledGrads:
+  """A side whose `value_and_grads` scales its gradients by 2 (its probe is the side's own)."""
+
+  def __init__(self, side):
+    self._side = side
+
+  def __getattr__(self, name):
+    return getattr(self._side, name)
+
+  def value_and_grads(self, state, batch, dropout_key):
+    loss, grads = self._side.value_and_grads(state, batch, dropout_key)
+    return loss, {p: g * 2 for p, g in grads.items()}
+
+
+@pytest.mark.xdist_group('parity-classifier')
+def test_a_grads_failure_whose_probes_agree_blames_value_and_grads_not_the_update():
+  """The grads part has no update: when both probes agree, what differs is the sides'
+  `value_and_grads` themselves, and the localizer says so."""
+  from parity import battery
+
+  def sides(mesh):
+    linen, nnx_side = make_sides(CFG, mesh)
+    return linen, _ScaledGrads(nnx_side)
+
+  pair = Pair('scaled_grads', sides, functools.partial(classifier_batch, CFG), parts=('grads',))
+  with pytest.raises(AssertionError) as failure:
+    battery.check_grads(pair)
+  message = str(failure.value)
+  assert "both passes are bitwise from the same state (each side's probe): so the sides' value_and_grads" in message
+  assert 'optimizer update' not in message, message
+
+
+def test_every_part_that_runs_a_state_stops_at_a_structure_that_differs():
+  """A rename rule left out: the structure part names every path, and the parts that carry a
+  state across say so in one message instead of failing inside the sides' own code."""
+  from bridge.stock import Renames
+  from parity import battery
+
+  def sides(mesh):
+    linen, nnx_side = make_sides(CFG, mesh)
+    rules = tuple(r for r in RENAMES.rules if r[0] != 'Dense_0')
+    return linen, dataclasses.replace(nnx_side, renames=Renames(rules))
+
+  pair = Pair('renamed', sides, functools.partial(classifier_batch, CFG))
+  with pytest.raises(AssertionError, match=r'params/Dense_0/kernel: missing'):
+    battery.check_structure(pair)
+  for check in (lambda: battery.check_train(pair, 'nnx'), lambda: battery.check_grads(pair),
+                lambda: battery.check_checkpoint(pair, 'linen->nnx'), lambda: battery.check_eval(pair)):
+    with pytest.raises(AssertionError, match=r"renamed: the two sides' states differ in the checkpoint layout,"
+                       r' so nothing is compared here \(the structure part names every path\)'):
+      check()
+
+
 def _drawing_sides(mesh):
   """`_stream_sides`, the dropout drawing from its stream: the key passed at the call is ignored,
   as a model written with flax's NNX idiom (`self.dropout(x)`) has it."""

@@ -630,6 +630,53 @@ def test_a_pair_the_battery_cannot_run_as_declared_is_an_error(kwargs, message):
   assert Pair('mine', lambda mesh: None, lambda step, split='train': {}, steps=1, meshes=()).steps == 1
 
 
+class _PartialSide:
+  """A user's side with every member of `Side` but those named."""
+
+  def __init__(self, name, without=()):
+    from parity import adapter
+
+    self.name, self.mesh = name, None
+    for member in adapter.side_members():
+      if member not in ('name', 'mesh') + tuple(without):
+        setattr(self, member, lambda *args: None)
+    for member in without:
+      if member in ('name', 'mesh'):
+        delattr(self, member)
+
+
+@pytest.mark.parametrize('make_sides,message', [
+    (lambda mesh: (_PartialSide('linen'), _PartialSide('nnx', without=('comparison_state', 'param_specs'))),
+     r"mine: the NNX side \(_PartialSide\) lacks param_specs, comparison_state of parity.adapter.Side"),
+    (lambda mesh: (_PartialSide('linen', without=('mesh',)), _PartialSide('nnx')),
+     r'mine: the Linen side \(_PartialSide\) lacks mesh of parity.adapter.Side'),
+    (lambda mesh: _PartialSide('linen'), r'mine: make_sides\(mesh\) returned _PartialSide, not \(linen side, nnx side\)'),
+], ids=['two_methods_missing', 'an_attribute_missing', 'one_side'])
+def test_a_side_missing_part_of_the_protocol_is_named_before_anything_runs(make_sides, message):
+  """A side lacking members of `Side` fails at once naming them all, not as an AttributeError
+  from inside whichever check first calls one; `probe`, which only the localizer calls, may
+  be left out."""
+  from parity import adapter
+
+  pair = adapter.Pair('mine', make_sides, lambda step, split='train': {})
+  with pytest.raises(adapter.SideError, match=message):
+    adapter.make_pair_sides(pair, None)
+  no_probe = adapter.Pair('mine', lambda mesh: (_PartialSide('linen', ('probe',)), _PartialSide('nnx', ('probe',))),
+                          lambda step, split='train': {})
+  assert len(adapter.make_pair_sides(no_probe, None)) == 2
+
+
+def test_step_metrics_that_are_not_what_side_says_are_named():
+  from parity import adapter
+
+  side = _PartialSide('nnx')
+  with pytest.raises(adapter.SideError, match=r"mine: the nnx side's eval_step returned float, not a mapping"):
+    adapter.checked_metrics('mine', side, 'eval_step', 1.0, need_loss=False)
+  with pytest.raises(adapter.SideError, match=r"train_step returned metrics \['accuracy'\] without `loss`"):
+    adapter.checked_metrics('mine', side, 'train_step', {'accuracy': 1.0}, need_loss=True)
+  assert adapter.checked_metrics('mine', side, 'eval_step', {'accuracy': 1.0}, need_loss=False) == {'accuracy': 1.0}
+
+
 @pytest.mark.parametrize('changed,outside_identical,why', [
     (12, True, 'over the declared bound of 10 lines'),
     (4, False, 'different outside the declared modules'),
