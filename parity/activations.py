@@ -20,6 +20,7 @@ give. A name the rules do not know resolves to no axis, as in a real run.
 """
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Any, Mapping
 
@@ -125,23 +126,31 @@ def drift(linen_rows: list[Row], nnx_rows: list[Row], sites: bool = True) -> lis
   must still come in the same order, control flow, shape and dtype.
   """
   out = []
-  for a, b in zip(linen_rows, nnx_rows):
-    where = f"#{a['index']} {a['site']} ({a['context']})"
-    if _key(a, sites) != _key(b, sites):
-      out.append(
-          f"{where}: Linen {a['site']} {a['shape']} {a['dtype']} vs NNX #{b['index']} {b['site']}"
-          f" ({b['context']}) {b['shape']} {b['dtype']}"
-      )
-    elif a['logical'] != b['logical']:
-      out.append(f"{where}: logical Linen {format_names(a['logical'])} vs NNX {format_names(b['logical'])}")
-    elif a['physical'] != b['physical']:
-      out.append(f"{where}: physical Linen {format_names(a['physical'])} vs NNX {format_names(b['physical'])}")
-  for extra, side in ((linen_rows[len(nnx_rows):], 'Linen'), (nnx_rows[len(linen_rows):], 'NNX')):
-    for row in extra:
-      out.append(
-          f"#{row['index']} {row['site']} ({row['context']}): only on {side},"
-          f" logical {format_names(row['logical'])}"
-      )
+  # Aligned by what each constraint applies to (control flow, shape, dtype), not by
+  # position: a constraint one side lacks is one line, not a shift of every later one.
+  keys = [[_key(r, sites) for r in rows] for rows in (linen_rows, nnx_rows)]
+  matcher = difflib.SequenceMatcher(None, *keys, autojunk=False)
+  for op, i1, i2, j1, j2 in matcher.get_opcodes():
+    pairs = list(zip(linen_rows[i1:i2], nnx_rows[j1:j2]))
+    for a, b in pairs:
+      where = f"#{a['index']} {a['site']} ({a['context']})"
+      if _key(a, sites) != _key(b, sites):
+        out.append(
+            f"{where}: Linen {a['site']} {a['shape']} {a['dtype']} vs NNX #{b['index']} {b['site']}"
+            f" ({b['context']}) {b['shape']} {b['dtype']}"
+        )
+      elif a['logical'] != b['logical']:
+        out.append(f"{where}: logical Linen {format_names(a['logical'])} vs NNX #{b['index']}"
+                   f" {format_names(b['logical'])}")
+      elif a['physical'] != b['physical']:
+        out.append(f"{where}: physical Linen {format_names(a['physical'])} vs NNX #{b['index']}"
+                   f" {format_names(b['physical'])}")
+    for extra, side in ((linen_rows[i1 + len(pairs):i2], 'Linen'), (nnx_rows[j1 + len(pairs):j2], 'NNX')):
+      for row in extra:
+        out.append(
+            f"#{row['index']} {row['site']} ({row['context']}) {row['shape']} {row['dtype']}: only on"
+            f" {side}, logical {format_names(row['logical'])}"
+        )
   return out
 
 

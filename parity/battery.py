@@ -509,9 +509,11 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
   """Both sides on `mesh_spec`: same shardings and annotations, equal train metrics and final state.
 
   The placement is checked first: a parameter sharded otherwise on one side
-  is the cause of the few-ULP differences it makes in the numbers. The
-  programs' sharding annotations last: they may differ where the numbers do
-  not (state one side only carries, such as an RNG stream kept in an NNX model).
+  is the cause of the few-ULP differences it makes in the numbers. Numbers
+  that differ come with the programs' sharding annotations where those differ
+  too (an activation constrained otherwise changes both); annotations that
+  differ where the numbers do not fail last (state one side only carries,
+  such as an RNG stream kept in an NNX model).
   """
   __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
@@ -525,8 +527,6 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
       f'{pair.name}: parameters not where their logical axes and the rules put them on'
       f' {mesh_spec}:\n  ' + '\n  '.join(off[:50])
   )
-  found = compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
-                  f'{pair.steps} train steps on mesh {mesh_spec}')
   batch, key = runs.batch(0, mesh_spec=mesh_spec), runs.dropout_base()
   names, annotations = [], []
   for side in (linen, nnx_side):
@@ -535,6 +535,18 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
     names.append(set(side.argument_names(lowered, state, batch, key)))
     annotations.append(programs.sharding_annotations(lowered.as_text()))
   a, b = annotations
+  try:
+    found = compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
+                    f'{pair.steps} train steps on mesh {mesh_spec}')
+  except AssertionError as e:
+    if a == b:
+      raise
+    # The numbers differ and so do the steps' shardings: a constraint placing an activation
+    # otherwise (another logical name) is the likely cause, and is named with the numbers.
+    raise AssertionError(
+        f'{e}\nthe sharding annotations of the train steps differ too (a likely cause: an'
+        f' activation constraint or a placement that differs; the specs part names constraints):'
+        f' only linen {dict(a - b)}, only nnx {dict(b - a)}') from None
   assert a == b, (
       f'{pair.name}: sharding annotations of the train steps differ on {mesh_spec}'
       f' (the train metrics and final state there are bit-identical{", or within the declared bounds" if found else ""}):'

@@ -248,6 +248,11 @@ class Report:
     if d is None:
       return []
     lines = [d.summary()]
+    outside = self.result.program_diff_outside
+    if self.result.declared_program_difference is not None and outside is not None and not outside.identical:
+      # Where the programs part outside the declared modules: the difference not declared.
+      lines.append(f'  outside the declared modules: {outside.summary(loop_growth=False)}')
+      d = outside
     if not d.identical and not d.loop_order:
       lines.append(f'  first difference, Linen: {d.first_linen or "(nothing)"}')
       lines.append(f'  first difference, NNX:   {d.first_nnx or "(nothing)"}')

@@ -60,8 +60,26 @@ def test_drift_names_the_site_and_both_names():
   (line,) = activations.drift([row], [renamed])
   assert line == (
       "#3 DecoderLayer.__call__ (jit/scan): logical Linen ('activation_batch',None,"
-      "'activation_embed') vs NNX ('activation_batch',None,'activation_mlp')"
+      "'activation_embed') vs NNX #3 ('activation_batch',None,'activation_mlp')"
   )
+
+
+def test_a_constraint_one_side_lacks_is_one_line_not_a_shift_of_the_later_ones():
+  """Constraints are aligned by what they apply to (control flow, shape, dtype), so a
+  constraint NNX leaves out is named once, and those after it still compare with theirs."""
+  def row(index, shape, logical):
+    return {'index': index, 'site': 'Block.__call__', 'context': 'jit', 'shape': shape,
+            'dtype': 'float32', 'logical': logical, 'physical': None}
+
+  hidden, mlp, out = [8, 8, 32], [8, 8, 128], [8, 8, 64]
+  linen = [row(0, hidden, ['batch', 'length', 'embed']), row(1, mlp, ['batch', 'length', 'mlp']),
+           row(2, out, ['batch', 'length', 'vocab']), row(3, hidden, ['batch', 'length', 'embed'])]
+  nnx_rows = [row(0, hidden, ['batch', 'length', 'embed']), row(1, out, ['batch', 'length', 'vocab']),
+              row(2, hidden, ['batch', 'length', None])]
+  assert activations.drift(linen, nnx_rows) == [
+      "#1 Block.__call__ (jit) [8, 8, 128] float32: only on Linen, logical ('batch','length','mlp')",
+      "#3 Block.__call__ (jit): logical Linen ('batch','length','embed') vs NNX #2 ('batch','length',None)",
+  ]
 
 
 @pytest.mark.xdist_group('01_baseline')  # its sides and start are that scenario's

@@ -195,6 +195,25 @@ def test_a_parameter_placed_otherwise_on_one_side_fails_the_mesh_part_by_its_pla
 
 
 @pytest.mark.xdist_group('parity-encoder')
+def test_numbers_that_differ_on_a_mesh_name_the_sharding_annotations_that_differ_too(monkeypatch):
+  """The NNX encoder constrains its hidden states by another logical name (`mlp`, which the
+  rules split over `tensor`, for Linen's `embed`, replicated): the parameters sit alike, the
+  numbers differ, and the failure names the annotations that differ with them, the likely cause."""
+  from models.nnx import encoder as nnx_encoder_module
+  from parity import battery
+
+  axes = dict(nnx_encoder_module.ENCODER_ACTIVATION_AXES, hidden=('batch', 'length', 'mlp'))
+  monkeypatch.setattr(nnx_encoder_module, 'ENCODER_ACTIVATION_AXES', axes)
+  pair = dataclasses.replace(encoder, name='encoder_nnx_mlp_constrained_otherwise')
+  with pytest.raises(AssertionError) as e:
+    battery.check_mesh(pair, MESH)
+  message = str(e.value)
+  assert f'encoder_nnx_mlp_constrained_otherwise: {encoder.steps} train steps on mesh {MESH} are not bit-identical' in message
+  assert ('the sharding annotations of the train steps differ too (a likely cause: an activation'
+          ' constraint or a placement that differs') in message, message
+
+
+@pytest.mark.xdist_group('parity-encoder')
 def test_parameters_both_sides_replicate_against_the_rules_are_named_by_the_mesh_parts_rule_check():
   """Sides that agree with each other can both ignore the logical axes: each
   parameter is checked against what the pair's rules make of its axes."""

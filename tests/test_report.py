@@ -543,6 +543,22 @@ def test_a_declared_program_difference_does_not_excuse_a_memory_difference():
   assert moved.expected_difference is not None and not moved.same_program
 
 
+def test_where_programs_part_outside_a_declared_difference_is_what_the_report_shows():
+  """With a declared program difference, the lines shown are where the programs part
+  outside the declared modules, not inside them (which is declared)."""
+  result = _declared_run(outside_identical=False)
+  result = dataclasses.replace(
+      result,
+      program_diff=dataclasses.replace(result.program_diff, parting_linen=['inside the norm']),
+      program_diff_outside=dataclasses.replace(result.program_diff_outside, parting_nnx=['the constraint NNX lacks']))
+  lines = report.Report(result, 'pair x', '-', None).program_lines()
+  assert lines[1].startswith('  outside the declared modules: programs differ'), lines
+  assert '  where they part, NNX: the constraint NNX lacks' in lines
+  assert not any('inside the norm' in line for line in lines)
+  declared_only = _declared_run()
+  assert not any('outside the declared' in line for line in report.Report(declared_only, 'pair x', '-', None).program_lines())
+
+
 def test_the_average_and_the_median_step_leave_the_first_step_out():
   """Step 0 carries first-run effects (the run's first execution, a resume's restore):
   both summaries leave it out, as the report's note says."""
