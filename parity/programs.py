@@ -987,6 +987,7 @@ def loop_order_difference(linen_text: str, nnx_text: str, reorder_only: bool = F
   )
 
 
+_MAIN_SIGNATURE = re.compile(r'\s*func\.func public @main\(')
 _MAIN_ARGUMENT = re.compile(r'%arg(\d+): (tensor<[^>]*>)')
 
 
@@ -1195,7 +1196,11 @@ def diff(
   a, b = (t.splitlines() for t in _short_names(full))
   matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
   opcodes = [op for op in matcher.get_opcodes() if op[0] != 'equal']
-  _, i1, i2, j1, j2 = opcodes[0]
+  # @main's signature lists its results in the canonical order of their values, so it
+  # differs wherever anything does: the first difference shown is the first in a body.
+  _, i1, i2, j1, j2 = next(
+      (op for op in opcodes if not all(_MAIN_SIGNATURE.match(x) for x in a[op[1]:op[2]] + b[op[3]:op[4]])),
+      opcodes[0])
   changed = sum((i2_ - i1_) + (j2_ - j1_) for _, i1_, i2_, j1_, j2_ in opcodes)
   lines = _clip_diff(list(difflib.unified_diff(a, b, 'linen', 'nnx', n=context, lineterm='')), width)
   if len(lines) > max_lines:

@@ -410,6 +410,11 @@ def test_a_loop_carrying_a_modules_state_back_out_of_nnx_remat_is_named_with_its
   assert '`nnx.remat` over a module returns it' in grown
   d = programs.diff(split, module, linen_args=split_names, nnx_args=module_names)
   assert not d.identical and d.loop_growth == grown and grown in d.summary()
+  # @main's signature differs too (its results in their values' canonical order); the first
+  # difference named is the first in a body, here the loop.
+  canonical = programs.canonicalize(split, split_names).splitlines()
+  assert canonical[1].lstrip().startswith('func.func public @main(') and d.first_difference > 2
+  assert 'stablehlo.while' in canonical[d.first_difference - 1]
   assert grown not in d.summary(loop_growth=False)
   assert programs.loop_carry_growth(split, split, split_names, split_names) == ''
   # The other way round: Linen carries more, and nothing is said about nnx.remat.
