@@ -211,6 +211,16 @@ def cmd_compare(args) -> int:
         if args.json or args.markdown or args.plot:
           print('parity: no report written: the states differ, so nothing was trained', file=sys.stderr)
         return 1
+      if 'specs' in parts:  # the parameters' logical axes, as the battery's specs part reads them
+        from bridge import specs as specs_lib
+
+        try:
+          specs_lib.check_no_drift(sides[0].param_specs(), sides[1].param_specs(), f'{pair.name} parameters')
+        except TreeMismatchError as e:
+          print(f'{e}\nverdict: SPECS DIFFER (nothing trained)')
+          if args.json or args.markdown or args.plot:
+            print('parity: no report written: the specs differ, so nothing was trained', file=sys.stderr)
+          return 1
       result = runner.compare_sides(
           sides, lambda step: pair.batch(step, 'train'), args.steps,
           seed=args.seed, init_side=args.init,

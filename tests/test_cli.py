@@ -417,3 +417,35 @@ def test_compare_of_a_pair_whose_side_lacks_part_of_the_protocol_is_bad_input(mo
   err = capsys.readouterr().err
   assert 'parity: error: classifier: the NNX side (NoSpecs) lacks param_specs of parity.adapter.Side' in err, err
   assert 'Traceback' not in err
+
+
+def test_compare_of_a_pair_whose_parameter_specs_differ_exits_1_naming_each(monkeypatch, capsys, tmp_path):
+  """The encoder's NNX side giving one kernel swapped logical axes: a verdict before anything
+  is trained (as the battery's specs part would fail), no report."""
+  import dataclasses
+
+  from tests import test_family_encoder as encoder
+
+  class Swapped:
+    def __init__(self, side):
+      self._side = side
+
+    def __getattr__(self, name):
+      return getattr(self._side, name)
+
+    def param_specs(self):
+      specs = dict(self._side.param_specs())
+      specs['params/layers_0/Dense_0/kernel'] = specs['params/layers_0/Dense_0/kernel'][::-1]
+      return specs
+
+  def sides(mesh):
+    linen, nnx_side = encoder.make_sides(encoder.CFG, mesh)
+    return linen, Swapped(nnx_side)
+
+  monkeypatch.setattr(cli, '_load_pair', lambda spec: dataclasses.replace(encoder.encoder, make_sides=sides))
+  report = tmp_path / 'report.json'
+  assert cli.main(['compare', '--pair', 'any.py:encoder', '--steps', '1', '--json', str(report)]) == 1
+  out, err = capsys.readouterr()
+  assert "params/layers_0/Dense_0/kernel: encoder parameters: expected ('embed', 'mlp') (Linen), got ('mlp', 'embed') (NNX)" in out, out
+  assert 'verdict: SPECS DIFFER (nothing trained)' in out
+  assert 'no report written: the specs differ' in err and not report.exists()
