@@ -196,7 +196,7 @@ class Pair:
   """The two sides of one migration, and what to train them on.
 
   `make_sides(mesh)` returns `(linen side, nnx side)` placed on `mesh` (None:
-  one device); `batch(step, split)` gives a batch of numpy arrays for
+  one device); `batch(step, split)` gives a batch of numpy (or jax) arrays for
   'train' or 'eval'. `meshes` are the mesh specs ('data=8', ...) the
   sharded part runs on (axes `data`, `fsdp`, `tensor`: bridge.specs.MESH_AXES; all of one size). `steps` is the length of the training runs.
   `rules`: the logical axis rules of the model's parameters and activation

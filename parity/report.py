@@ -268,8 +268,8 @@ class Report:
     d = self.result.program_diff
     if d is not None and not d.identical and d.diff:
       if self.result.declared_program_difference is not None and self.result.expected_difference is not None:
-        out.append(f'  (within the declared difference: the {d.changed_lines} changed lines are in'
-                   ' the --json and --markdown outputs)')
+        out.append(f'  (within the declared difference: {d.changed_lines} changed lines; the diff\'s first'
+                   ' lines are in the --json and --markdown outputs)')
       else:
         out += ['', d.diff]
     out += [''] + [f'- {n}' for n in self.notes()]

@@ -135,3 +135,22 @@ def test_no_flags_were_set():
     assert os.environ.get('XLA_FLAGS', '') == ''
 ''')
   pytester.runpytest_subprocess('-p', 'no:cacheprovider').assert_outcomes(passed=1)
+
+
+def test_a_projects_own_models_package_is_named_when_the_kit_is_used(tmp_path):
+  """A project with its own top-level `models` package (common in flax projects) running
+  from its directory: importing the kit says which `models` came first, instead of
+  failing inside the bridge; the plugin alone, with no pair, leaves the project alone."""
+  import subprocess
+  import sys
+
+  (tmp_path / 'models').mkdir()
+  (tmp_path / 'models' / '__init__.py').write_text('')
+  used = subprocess.run([sys.executable, '-c', 'from parity.adapter import Pair'], cwd=tmp_path,
+                        capture_output=True, text=True)
+  assert used.returncode == 1
+  assert (f'ImportError: linen-nnx-parity: the top-level package `models` is imported from'
+          f' {tmp_path / "models"}, not from this kit') in used.stderr, used.stderr
+  unused = subprocess.run([sys.executable, '-c', 'import parity.plugin'], cwd=tmp_path,
+                          capture_output=True, text=True)
+  assert unused.returncode == 0, unused.stderr

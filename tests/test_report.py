@@ -595,7 +595,7 @@ def test_the_text_report_prints_the_program_diff_unless_a_declaration_admits_it(
   r = report.Report(_declared_run(changed=changed, diff='-a line of the diff\n+b'), 'pair x', '-', None)
   printed = '-a line of the diff' in r.text()
   assert printed is (changed > 10)
-  assert ('the 4 changed lines are in the --json and --markdown outputs' in r.text()) is (changed <= 10)
+  assert ("4 changed lines; the diff's first lines are in the --json and --markdown outputs" in r.text()) is (changed <= 10)
   assert '-a line of the diff' in r.markdown()
 
 
