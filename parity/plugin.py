@@ -65,9 +65,51 @@ def pytest_addoption(parser):
   )
 
 
+def _dist_given(config) -> bool:
+  """Whether the run names xdist's distribution itself (command line, PYTEST_ADDOPTS, ini addopts)."""
+  import os
+  import shlex
+
+  args = [*config.invocation_params.args, *shlex.split(os.environ.get('PYTEST_ADDOPTS', '')),
+          *config.getini('addopts')]
+  return any(a in ('--dist', '-d', '--distload') or a.startswith('--dist=') for a in args)
+
+
+def _apply_loadgroup(config) -> None:
+  """Under `-n`, xdist distributes by `load`, which spreads a pair's tests over the workers,
+  each compiling the pair's functions; `loadgroup` keeps each pair's group on one worker.
+  Applied unless the run names a distribution itself."""
+  worker_input = getattr(config, 'workerinput', None)
+  if worker_input is not None:  # a worker: its options are parsed from the command line again
+    if worker_input.get(_LOADGROUP_INPUT):
+      config.option.loadgroup = True  # xdist's worker-side switch (the `@group` id suffix)
+    return
+  if getattr(config.option, 'numprocesses', None) and getattr(config.option, 'dist', None) == 'load' \
+      and not _dist_given(config):
+    config.option.dist = 'loadgroup'
+    config.stash[_LOADGROUP_APPLIED] = True
+
+
+_LOADGROUP_APPLIED = pytest.StashKey[bool]()
+_LOADGROUP_INPUT = 'parity_loadgroup'
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+  """xdist's hook as it starts a worker: tell it that loadgroup was applied."""
+  node.workerinput[_LOADGROUP_INPUT] = node.config.stash.get(_LOADGROUP_APPLIED, False)
+
+
+def pytest_report_header(config):
+  if config.stash.get(_LOADGROUP_APPLIED, False):
+    return ['parity: --dist loadgroup (each pair\'s tests on one worker; give --dist to choose another)']
+  return None
+
+
 def pytest_configure(config):
   # Known to pytest-xdist; registered here too so runs without it stay strict-marker clean.
   config.addinivalue_line('markers', 'xdist_group(name): tests that share one xdist worker')
+  _apply_loadgroup(config)
   parts = config.getoption('parity_parts')
   if parts is not None:
     if not _part_names(parts):

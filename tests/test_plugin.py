@@ -154,3 +154,24 @@ def test_a_projects_own_models_package_is_named_when_the_kit_is_used(tmp_path):
   unused = subprocess.run([sys.executable, '-c', 'import parity.plugin'], cwd=tmp_path,
                           capture_output=True, text=True)
   assert unused.returncode == 0, unused.stderr
+
+
+@pytest.mark.parametrize('dist', [None, 'load'], ids=['default', 'given'])
+def test_under_n_a_pairs_group_stays_on_one_worker_unless_a_distribution_is_given(pytester, dist):
+  """xdist distributes by `load` under `-n`, spreading a pair's tests over the workers (each
+  compiling); the plugin makes it `loadgroup`, workers included, unless the run names one."""
+  pytester.makepyfile(test_grouped=(
+      'import pytest\n'
+      '@pytest.mark.xdist_group("pair")\n'
+      'def test_one(request):\n'
+      '  assert request.config.getoption("loadgroup", None) is not None\n'
+  ))
+  args = ['-n', '2', '-p', 'no:cacheprovider', '-rA'] + ([] if dist is None else ['--dist', dist])
+  result = pytester.runpytest_subprocess(*args)
+  result.assert_outcomes(passed=1)
+  applied = "parity: --dist loadgroup (each pair's tests on one worker; give --dist to choose another)"
+  if dist is None:
+    result.stdout.fnmatch_lines([applied, '*PASSED test_grouped.py::test_one@pair*'])
+  else:
+    assert applied not in result.stdout.str()
+    result.stdout.fnmatch_lines(['*PASSED test_grouped.py::test_one'])
