@@ -164,6 +164,38 @@ def _prepare_xla(config, pair) -> list[str]:
 _MAP_GUARD = map_limit.Guard()
 
 
+_GROUPING_ERROR = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session):
+  """In an xdist worker, fail every test if `--dist loadgroup` is not grouping.
+
+  xdist sends a group to one worker by suffixing the test id with `@group`.
+  Where that does not take effect (pytest-dev/pytest-xdist#1386: pytest 9.2
+  with xdist 3.8), workers would repeat each other's compilations and runs
+  and the suite would silently take longer.
+  """
+  if not getattr(session.config.option, 'loadgroup', False):
+    return
+  lost = [
+      item.nodeid for item in session.items
+      if item.get_closest_marker('xdist_group') and '@' not in item.nodeid.rsplit(']', 1)[-1]
+  ]
+  if lost:
+    session.config.stash[_GROUPING_ERROR] = (
+        f'--dist loadgroup is not grouping tests here ({len(lost)} grouped tests lack their'
+        f' @group suffix): pytest {pytest.__version__} with this pytest-xdist is'
+        " pytest-dev/pytest-xdist#1386. Install a pytest below 9.2 (this kit's `test` extra pins"
+        ' one), or run without -n.'
+    )
+
+
+def pytest_runtest_setup(item):
+  error = item.config.stash.get(_GROUPING_ERROR, None)
+  if error:
+    pytest.fail(error, pytrace=False)
+
+
 @pytest.hookimpl(trylast=True)  # after the test's fixtures (and their patches) are torn down
 def pytest_runtest_teardown(item, nextitem):
   del item, nextitem
