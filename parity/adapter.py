@@ -273,7 +273,8 @@ def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side,
 def checked_metrics(pair_name: str, side: Side, step: str, metrics: Any, need_loss: bool) -> dict[str, Any]:
   """A step's metrics as a dict, or a SideError saying what `Side` asks of them."""
   if not isinstance(metrics, Mapping):
-    raise SideError(f'{pair_name}: the {side.name} side\'s {step} returned {type(metrics).__name__},'
+    what = paths.describe(metrics) if hasattr(metrics, 'dtype') else type(metrics).__name__
+    raise SideError(f'{pair_name}: the {side.name} side\'s {step} returned {what},'
                     ' not a mapping of metric names to arrays')
   if need_loss and 'loss' not in metrics:
     raise SideError(f'{pair_name}: the {side.name} side\'s {step} returned metrics {sorted(metrics)}'

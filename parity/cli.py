@@ -204,22 +204,20 @@ def cmd_compare(args) -> int:
       parts = set(PARTS if pair.parts is None else pair.parts)
       options['program_diff'] = options['program_diff'] and 'program' in parts
       sides = adapter.make_pair_sides(pair, mesh)
-      try:  # a verdict, not bad input: the sides are not the same program
-        adapter.check_structure(pair.name, *sides)
-      except TreeMismatchError as e:
-        print(f'{e}\nverdict: STATES DIFFER (nothing trained)')
-        if args.json or args.markdown or args.plot:
-          print('parity: no report written: the states differ, so nothing was trained', file=sys.stderr)
-        return 1
-      if 'specs' in parts:  # the parameters' logical axes, as the battery's specs part reads them
-        from bridge import specs as specs_lib
+      from bridge import specs as specs_lib
 
+      # Verdicts, not bad input: the sides are not the same program, so nothing is trained.
+      checks = [('states', lambda: adapter.check_structure(pair.name, *sides))]
+      if 'specs' in parts:  # the parameters' logical axes, as the battery's specs part reads them
+        checks.append(('specs', lambda: specs_lib.check_no_drift(
+            sides[0].param_specs(), sides[1].param_specs(), f'{pair.name} parameters')))
+      for what, check in checks:
         try:
-          specs_lib.check_no_drift(sides[0].param_specs(), sides[1].param_specs(), f'{pair.name} parameters')
+          check()
         except TreeMismatchError as e:
-          print(f'{e}\nverdict: SPECS DIFFER (nothing trained)')
+          print(f'{e}\nverdict: {what.upper()} DIFFER (nothing trained)')
           if args.json or args.markdown or args.plot:
-            print('parity: no report written: the specs differ, so nothing was trained', file=sys.stderr)
+            print(f'parity: no report written: the {what} differ, so nothing was trained', file=sys.stderr)
           return 1
       result = runner.compare_sides(
           sides, lambda step: pair.batch(step, 'train'), args.steps,

@@ -342,35 +342,35 @@ def compile_step(
   lowered_at = time.perf_counter()
   executable = lowered.compile()
   done = time.perf_counter()
-  compared, names = (
-      comparison_lowering(side, state, batch, dropout_base) if compare_program else (None, None)
+  compared, names, applied = (
+      comparison_lowering(side, state, batch, dropout_base) if compare_program else (None, None, False)
   )
   return CompiledStep(
       executable, lowered.as_text(), lowered_at - start, done - start, compared, names,
-      allowed_applied=compare_program and comparison_changes_state(side, state),
+      allowed_applied=applied,
   )
 
 
-def comparison_changes_state(side: Any, state: Any) -> bool:
-  """Whether `side.comparison_state` traces the step with another state (shapes, dtypes or
-  structure) than the side's own: an allowed difference applied."""
-  own = jax.tree.map(_abstract, state)
-  compared = side.comparison_state(own)
+def state_changed(own: Any, compared: Any) -> bool:
+  """Whether `compared` (a side's `comparison_state` of `own`, both abstract) differs from
+  `own` in structure, shapes or dtypes: an allowed difference applied."""
   if jax.tree.structure(own) != jax.tree.structure(compared):
     return True
   return any((a.shape, a.dtype) != (b.shape, b.dtype)
              for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(compared)))
 
 
-def comparison_lowering(side: Any, state: Any, batch: Any, dropout_base: Any) -> tuple[str, list[str]]:
-  """The side's train step as the program comparison reads it, and its argument names.
+def comparison_lowering(side: Any, state: Any, batch: Any, dropout_base: Any) -> tuple[str, list[str], bool]:
+  """The side's train step as the program comparison reads it, its argument names, and
+  whether `side.comparison_state` changed the state (`state_changed`).
 
   Traced on `side.comparison_state` (the allowed differences of
   `programs.ALLOWED` removed there), arguments named by state path.
   """
   # The state keeps its shardings (they are part of the program); the batch
   # and key are placed by the step, as when it runs.
-  compared_state = side.comparison_state(jax.tree.map(_abstract, state))
+  own = jax.tree.map(_abstract, state)
+  compared_state = side.comparison_state(own)
   batch, dropout_base = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (batch, dropout_base)
   )
@@ -379,7 +379,7 @@ def comparison_lowering(side: Any, state: Any, batch: Any, dropout_base: Any) ->
   lower = getattr(side, 'lower_for_comparison', side.lower_train_step)
   lowered = lower(compared_state, batch, dropout_base)
   names = side.argument_names(lowered, compared_state, batch, dropout_base)
-  return lowered.as_text(debug_info=True), names
+  return lowered.as_text(debug_info=True), names, state_changed(own, compared_state)
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
@@ -652,6 +652,9 @@ def compare_sides(
     )
     runs[name].lower_s = compiled[name].lower_s
     runs[name].compile_s = compiled[name].compile_s
+    # The metrics' structure is the compiled step's: checked once, not in the timed loop.
+    adapter.checked_metrics('parity compare', sides[name], 'train_step',
+                            compiled[name].executable.out_info[1], need_loss=True)
   device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
   for name in SIDES:
     if compare_memory:
@@ -766,7 +769,6 @@ def _train(
     for name in order:
       start = clock()
       states[name], metrics = compiled[name].executable(states[name], batches[name], dropout_base)
-      metrics = adapter.checked_metrics('parity compare', sides[name], 'train_step', metrics, need_loss=True)
       loss = _host_value(metrics['loss'])  # the host synchronisation that ends the step
       end = clock()
       run = runs[name]

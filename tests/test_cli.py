@@ -449,3 +449,25 @@ def test_compare_of_a_pair_whose_parameter_specs_differ_exits_1_naming_each(monk
   assert "params/layers_0/Dense_0/kernel: encoder parameters: expected ('embed', 'mlp') (Linen), got ('mlp', 'embed') (NNX)" in out, out
   assert 'verdict: SPECS DIFFER (nothing trained)' in out
   assert 'no report written: the specs differ' in err and not report.exists()
+
+
+def test_compare_of_a_pair_whose_train_step_returns_no_loss_is_bad_input(monkeypatch, capsys):
+  """Checked once, on the compiled step's output structure (not in the timed loop)."""
+  import dataclasses
+
+  from models.linen import classifier as linen_classifier
+  from tests import test_family_classifier as classifier
+
+  def without_loss(state, batch, dropout_base):
+    state, metrics = linen_classifier.train_step(state, batch, dropout_base)
+    return state, {k: v for k, v in metrics.items() if k != 'loss'}
+
+  def sides(mesh):
+    linen, nnx_side = classifier.make_sides(classifier.CFG, mesh)
+    return dataclasses.replace(linen, train_step_fn=without_loss), nnx_side
+
+  monkeypatch.setattr(cli, '_load_pair', lambda spec: dataclasses.replace(classifier.classifier, make_sides=sides))
+  assert cli.main(['compare', '--pair', 'any.py:classifier', '--steps', '1', '--no-program-check']) == 2
+  err = capsys.readouterr().err
+  assert "parity: error: parity compare: the linen side's train_step returned metrics [] without `loss`" in err, err
+  assert 'Traceback' not in err
