@@ -92,13 +92,13 @@ EPYC, jax 0.10.2; a tiny-preset train step compiles in 2.9 s by default):
   emitters without `-O0` made them slower (6.1 and 7.3 s), and jax 0.12 no
   longer knows `--xla_cpu_use_fusion_emitters`.
 * XLA:CPU's backend options (`--xla_backend_extra_options=NAME`; jax 0.10.2
-  on another, slower 2-core AMD EPYC, where the Linen train steps of
-  01_baseline, 06_grad_accum and 09_tied_logits compiled in 8.4, 10.2 and
-  9.5 s by default): `xla_cpu_disable_loop_unrolling` compiled them in 6.5,
-  9.2 and 6.6 s, but their losses leave the records from step 0, 2 and 1
-  (an unrolled reduction adds in another order), so every record would be
-  taken again; `xla_cpu_optimize_for_size` changed the bits too and saved
-  nothing; `xla_cpu_disable_slp_vectorizer` kept the bits and saved
+  on another, slower 2-core AMD EPYC, timing the backend compiles of 10
+  Linen train steps, the step and the small programs around it: 8.4, 10.2
+  and 9.5 s by default for 01_baseline, 06_grad_accum and 09_tied_logits):
+  `xla_cpu_disable_loop_unrolling` took 6.5, 9.2 and 6.6 s, but their
+  losses leave the records from step 0, 2 and 1 (the cause not traced), so
+  every record would be taken again; `xla_cpu_optimize_for_size` changed
+  the bits too and saved nothing; `xla_cpu_disable_slp_vectorizer` kept the bits and saved
   nothing beyond the machine's spread (8.5, 9.6 and 7.6 s). The flags
   `--xla_cpu_disable_loop_unrolling` and the like do not exist: XLA stops
   at an unknown flag.
