@@ -19,6 +19,8 @@ import getpass
 import os
 import tempfile
 
+import pytest
+
 from parity import gc_tuning, xla_env
 
 xla_env.add_flags(
@@ -66,6 +68,12 @@ def pytest_addoption(parser):
            ' needed; --tpu-on-cpu is its older name)',
   )
   group.addoption(
+      '--exhaustive', action='store_true', default=False,
+      help='run the exhaustive tier too (tests/tiers.py): every decoder scenario, mesh and'
+           ' multi-process run, the CLI end to end and the notebook. Without it a run of the'
+           ' whole suite (no path named) runs the core tier; `make test-all` and CI pass it',
+  )
+  group.addoption(
       '--full-mesh-matrix', action='store_true', default=False,
       help='train every scenario on every mesh (default: tests/runs.py mesh_cases: the'
            ' baseline on every mesh, the others on the 3-axis mesh but two, gradient'
@@ -94,6 +102,23 @@ def pytest_configure(config):
     jax.config.update('jax_platforms', 'cpu')
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+  """pytest-xdist's hook as it starts a worker: the tier the main process chose (tests/tiers.py)."""
+  from tests import tiers
+
+  node.workerinput['parity_core_only'] = tiers.core_only(node.config)
+
+
+def pytest_report_header(config):
+  from tests import tiers
+
+  if tiers.core_only(config):
+    return ['tier: core (the exhaustive tier is deselected: `make test-all` or --exhaustive runs it;'
+            ' tests/tiers.py says what each holds)']
+  return ['tier: ' + ('core and exhaustive' if config.getoption('exhaustive') else 'what the paths name')]
+
+
 def accelerator_platform() -> str | None:
   """'tpu' or 'gpu' when jax's default backend is an accelerator, else None."""
   import jax
@@ -112,8 +137,6 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(marker)
   if not tier or config.getoption('hardware_on_cpu'):
     return
-  import pytest
-
   if hardware_tier_selected(config):
     if accelerator_platform():
       return

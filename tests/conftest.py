@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 
 from models.config import get_preset
+from models.config import SCENARIOS
 from parity.sides import make_sides
+from tests import tiers
 
 
 @pytest.fixture(scope='session')
@@ -19,14 +21,15 @@ def tiny_sides(tiny_cfgs):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-  """Tests of one scenario share an xdist group (run with `--dist loadgroup`).
+  """Tests of one scenario share an xdist group (run with `--dist loadgroup`); the
+  exhaustive tier is left out unless asked for (tests/tiers.py).
 
   A scenario's side-by-side runs are cached per process (tests/runs.py), so
   keeping its tests in one worker computes each run once.
   """
-  del config
   for item in items:
     callspec = getattr(item, 'callspec', None)
     scenario = callspec.params.get('scenario') if callspec else None
     if isinstance(scenario, str):
       item.add_marker(pytest.mark.xdist_group(scenario))
+  tiers.select(config, items, SCENARIOS)

@@ -82,6 +82,7 @@ def test_a_constraint_one_side_lacks_is_one_line_not_a_shift_of_the_later_ones()
   ]
 
 
+@pytest.mark.exhaustive
 @pytest.mark.xdist_group('01_baseline')  # its sides and start are that scenario's
 def test_the_battery_names_a_constraint_renamed_on_one_side(monkeypatch):
   """The plugin's specs part reads activation constraints too (parity.battery.check_specs).

@@ -224,6 +224,7 @@ def test_compare_other_errors_are_not_called_out_of_memory(monkeypatch):
     cli.main(['compare', '--steps', '1'])
 
 
+@pytest.mark.exhaustive
 def test_mesh_on_cpu_gets_its_devices_without_a_device_count(tmp_path):
   """`compare --mesh fsdp=4,tensor=2` in a fresh interpreter whose XLA_FLAGS set no device count.
 
@@ -260,6 +261,7 @@ def test_compare_takes_a_declared_pair(tmp_path, capsys):
   assert result['expected_difference'].startswith('declared: BatchNorm_0, BatchNorm_1:')
 
 
+@pytest.mark.exhaustive
 def test_compare_of_a_diverging_pair_exits_1(capsys):
   spec = 'tests/test_family_encoder.py:encoder_stock_attention'
   assert cli.main(['compare', '--pair', spec, '--steps', '2']) == 1
@@ -290,6 +292,7 @@ def test_compare_of_a_pair_whose_states_differ_exits_1_naming_every_path(monkeyp
   assert 'no report written' in captured.err and not report.exists()
 
 
+@pytest.mark.exhaustive
 def test_compare_resuming_a_checkpoint_of_other_state_exits_2_naming_every_path(capsys, tmp_path):
   """A checkpoint whose state is not the sides' (01_baseline's, resumed as 09_tied_logits,
   which has no logits_dense): bad input, each path named, no traceback."""

@@ -160,6 +160,7 @@ def test_convert_to_nnx_and_back_is_bitwise(source, sides, tmp_path, capsys, lay
   source.assert_intact()
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize('layout', ['same', 'scan_axis0'])
 def test_fp8_scaling_state_converts_with_the_model(tmp_path, layout):
   """fp8 scales and amax histories: Linen `fp8_meta/...`, NNX model state `0/...`."""
@@ -463,6 +464,7 @@ def test_killed_mid_conversion(source, tmp_path, capsys, sig, elsewhere):
     assert os.listdir(dst) == [str(STEP)]
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize('scenario,layout', [('08_bf16_weights', 'same'), ('10_scan_axis0', 'scan_axis0')])
 def test_a_scenario_without_a_preset_picks_the_layout_and_checks_no_tree(source, tmp_path, capsys, scenario, layout):
   """`--scenario` alone names a layout (any preset's); only `--preset` checks the tree.

@@ -79,6 +79,7 @@ classifier_without_batch_norm = Pair(
 )
 
 
+@pytest.mark.exhaustive
 @pytest.mark.xdist_group('parity-classifier')  # the pair's compiled steps are that group's
 def test_a_declared_program_difference_covers_only_its_modules():
   """The runner (`parity compare --pair`) accepts a declared program difference only
@@ -104,6 +105,7 @@ def test_a_declared_program_difference_covers_only_its_modules():
     (('BatchNorm_0', 'BatchNorm_1'), 'identical outside those modules: the declared modules changed more than the bound'),
     (('BatchNorm_0',), 'outside those modules too: programs differ'),
 ], ids=['inside_the_modules', 'outside_them_too'])
+@pytest.mark.exhaustive
 def test_a_program_over_its_declared_bound_says_where_it_differs(paths, where):
   """Over the bound, the failure says whether the declared modules alone changed more
   (a bound to revisit) or the program differs outside them as well (a bug to find)."""
@@ -325,6 +327,7 @@ def _ema_sides(mesh, fields=ema.FIELDS):
                    fields=fields)
 
 
+@pytest.mark.exhaustive
 def test_an_optimizer_attribute_declared_with_its_field_is_carried_bit_for_bit():
   """The EMA crosses between the sides as `ema_params/<Linen path>` (renamed like the
   parameters), both ways, and two steps from either side's start agree bit for bit,
@@ -444,6 +447,7 @@ def _scaled_sides(mesh, fields=(('dynamic_scale', 'dynamic_scale'),)):
   return linen, nnx_side
 
 
+@pytest.mark.exhaustive
 def test_optimizer_state_that_does_not_mirror_the_parameters_is_carried_bit_for_bit():
   """flax's DynamicScale in the optimizer: `1/dynamic_scale/scale` crosses as the
   TrainState's `dynamic_scale/scale`, both ways; four steps from either side's start,
@@ -503,6 +507,7 @@ def _eval_pair(name: str, nnx_cfg=None, eval_scale: float | None = None) -> Pair
   return Pair(name, sides, functools.partial(classifier_batch, CFG), steps=1, parts=('eval',))
 
 
+@pytest.mark.exhaustive
 @pytest.mark.xdist_group('parity-classifier')
 def test_the_eval_part_compares_the_eval_steps_from_one_state_first():
   """An eval step that differs fails from one state, whatever the training did; a train step
@@ -532,6 +537,7 @@ class _ScaledGrads:
     return loss, {p: g * 2 for p, g in grads.items()}
 
 
+@pytest.mark.exhaustive
 @pytest.mark.xdist_group('parity-classifier')
 def test_a_grads_failure_whose_probes_agree_blames_value_and_grads_not_the_update():
   """The grads part has no update: when both probes agree, what differs is the sides'
@@ -591,6 +597,7 @@ def _drawing_sides(mesh):
   return linen, dataclasses.replace(nnx_side, create=create)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.xdist_group('parity-classifier')
 def test_a_dropout_drawing_from_a_stream_kept_in_the_nnx_model_is_named_with_the_fix():
   """Stock dropout on both sides, NNX's drawing from its stream: the masks differ from the
@@ -614,6 +621,7 @@ def test_a_dropout_drawing_from_a_stream_kept_in_the_nnx_model_is_named_with_the
       'Dropout_0/rngs/count', 'Dropout_0/rngs/key']
 
 
+@pytest.mark.exhaustive
 @pytest.mark.xdist_group('parity-classifier')
 def test_an_rng_stream_kept_in_the_nnx_model_is_carried_outside_the_comparison():
   """`StockNnx(nnx_only=(nnx.RngState,))`, the default: the stream (`RngKey`, `RngCount`) is in

@@ -164,6 +164,7 @@ def _sides_with_their_own_rules(linen_rules, nnx_rules, mesh):
 MLP_REPLICATED = tuple(('mlp', None) if name == 'mlp' else (name, axis) for name, axis in ENCODER_RULES)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.xdist_group('parity-encoder')
 def test_a_parameter_placed_otherwise_on_one_side_fails_the_mesh_part_by_its_placement():
   """The mesh part checks where the state is before what it holds.
@@ -194,6 +195,7 @@ def test_a_parameter_placed_otherwise_on_one_side_fails_the_mesh_part_by_its_pla
     battery.compare(pair, 'train', linen_final, nnx_final, 'the final states')
 
 
+@pytest.mark.exhaustive
 @pytest.mark.xdist_group('parity-encoder')
 def test_numbers_that_differ_on_a_mesh_name_the_sharding_annotations_that_differ_too(monkeypatch):
   """The NNX encoder constrains its hidden states by another logical name (`mlp`, which the
@@ -238,6 +240,7 @@ def _ema_sides(keep_metadata, mesh):
                    keep_metadata=keep_metadata)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.xdist_group('parity-encoder')
 def test_an_optimizer_attribute_is_placed_and_carried_on_a_mesh_by_its_logical_axes():
   """An EMA of the parameters (`StockNnx(optimizer_fields=...)`) on the tensor-parallel

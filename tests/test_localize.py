@@ -278,6 +278,7 @@ def test_a_classifier_batch_norm_epsilon_is_named():
   assert (first['path'], first['layer'], first['pass']) == ('BatchNorm_1', None, 'forward')
 
 
+@pytest.mark.exhaustive
 def test_an_encoder_layer_norm_epsilon_is_named():
   from models.nnx import encoder as nnx_encoder
   from tests import test_family_encoder as family
@@ -305,6 +306,7 @@ def test_the_stock_attention_difference_is_named_with_its_pass():
 # In the battery's failure report: the localizer runs the first divergent step.
 
 
+@pytest.mark.exhaustive
 def test_a_training_divergence_is_localized_at_its_first_divergent_step():
   """The NNX classifier with twice the learning rate: step 0's loss is equal, step 1's is not.
 

@@ -42,6 +42,7 @@ def _run(seed: int):
   return runner.run_compare(model_cfg, replace(train_cfg, seed=seed), steps=2, program_diff=False)
 
 
+@pytest.mark.exhaustive
 def test_a_changed_rms_norm_epsilon_points_at_the_first_norm_of_layer_0(monkeypatch):
   monkeypatch.setattr(nnx_layers.RMSNorm, '__call__', _rms_norm_with_another_epsilon)
   result = _run(seed=9101)
@@ -57,6 +58,7 @@ def test_a_changed_rms_norm_epsilon_points_at_the_first_norm_of_layer_0(monkeypa
           ' forward pass') in text
 
 
+@pytest.mark.exhaustive
 def test_a_swapped_mlp_gate_points_at_the_mlp_of_layer_0(monkeypatch):
   monkeypatch.setattr(nnx_layers.MLP, '__call__', _mlp_with_the_gate_swapped)
   result = _run(seed=9102)

@@ -20,6 +20,7 @@ def test_below_the_threshold_nothing_is_released():
   assert not map_limit.release_programs_near_limit(fraction=1.0)
 
 
+@pytest.mark.exhaustive
 def test_released_programs_are_unmapped_and_compute_the_same_bits():
   x = jnp.linspace(-1.0, 1.0, 64, dtype=jnp.float32).reshape(8, 8)
   functions = [jax.jit(lambda x, i=i: jnp.sin(x * i) @ x + i) for i in range(PROGRAMS)]

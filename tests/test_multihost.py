@@ -105,6 +105,7 @@ def _ulp(a_hex: str, b_hex: str) -> int:
   return bitwise.max_ulp(*(np.float32(float.fromhex(h)) for h in (a_hex, b_hex)))
 
 
+@pytest.mark.exhaustive
 @SHARED_RUNS
 def test_two_processes_are_bit_identical_across_sides(runs):
   _, two, _ = runs
@@ -114,6 +115,7 @@ def test_two_processes_are_bit_identical_across_sides(runs):
   assert two['num_devices'] == 8
 
 
+@pytest.mark.exhaustive
 @SHARED_RUNS
 def test_two_processes_train_as_one_process_does(runs):
   _, two, one = runs
@@ -123,6 +125,7 @@ def test_two_processes_train_as_one_process_does(runs):
   assert max(ulps) <= LOSS_BOUND_ULP, ulps
 
 
+@pytest.mark.exhaustive
 @SHARED_RUNS
 def test_a_two_process_checkpoint_resumes_in_one_process(runs):
   tmp, two, _ = runs
@@ -133,6 +136,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process(runs):
   assert (two['init_side'], resumed['init_side']) == ('linen', None)  # neither side initialised it
 
 
+@pytest.mark.exhaustive
 @SHARED_RUNS
 def test_a_one_process_checkpoint_resumes_in_two_processes(runs):
   tmp, _, one = runs
@@ -142,6 +146,7 @@ def test_a_one_process_checkpoint_resumes_in_two_processes(runs):
   assert resumed['final_state_sha256'] == one['final_state_sha256']
 
 
+@pytest.mark.exhaustive
 @SHARED_RUNS
 def test_convert_reads_a_two_process_checkpoint(runs):
   tmp, _, _ = runs
@@ -154,6 +159,7 @@ def test_convert_reads_a_two_process_checkpoint(runs):
   assert (tmp / 'converted' / '5').is_dir()
 
 
+@pytest.mark.exhaustive
 @OWN_RUNS
 def test_a_declared_pair_is_bit_identical_across_sides_in_two_processes(tmp_path):
   """`parity compare --pair ... --processes 2`: a user's pair (the stock classifier, whose
@@ -172,6 +178,7 @@ def test_a_declared_pair_is_bit_identical_across_sides_in_two_processes(tmp_path
   assert result['state_diffs'] == []
 
 
+@pytest.mark.exhaustive
 def test_a_pair_whose_states_differ_is_a_verdict_in_two_processes(tmp_path):
   """A rename rule left out, run as 2 processes: exit 1 (a verdict, not a failed process),
   each path named once, by process 0, and no report; nothing is compiled."""
@@ -238,6 +245,7 @@ def test_a_failing_process_is_named_and_the_others_stopped(tmp_path):
   assert len(pids) == 3 and not any(_alive(p) for p in pids)
 
 
+@pytest.mark.exhaustive
 def test_a_hung_process_is_killed_at_the_timeout_with_its_children(tmp_path):
   pidfile = tmp_path / 'pids'
   body = (
@@ -283,6 +291,7 @@ def _children(pid: int) -> list[int]:
   return [int(p) for p in out.stdout.split()]
 
 
+@pytest.mark.exhaustive
 @OWN_RUNS
 def test_a_process_killed_while_saving_leaves_no_partial_checkpoint(tmp_path):
   """Process 1 is killed after the first committed save, while the next ones are written."""
@@ -336,6 +345,7 @@ JOIN_A_JAX_RUN = (
 )
 
 
+@pytest.mark.exhaustive
 @OWN_RUNS
 def test_no_process_or_port_is_left_after_a_multi_process_jax_run(tmp_path):
   """Two processes join through the coordinator and exit; its port is free again."""
@@ -359,6 +369,7 @@ def test_no_process_or_port_is_left_after_a_multi_process_jax_run(tmp_path):
     s.listen()
 
 
+@pytest.mark.exhaustive
 def test_a_process_of_a_jax_run_ends_at_the_launchers_sigterm(tmp_path):
   """SIGTERM, which the launcher sends to stop a failed run's processes, ends a jax process.
 
@@ -382,6 +393,7 @@ def test_a_process_of_a_jax_run_ends_at_the_launchers_sigterm(tmp_path):
   assert 'survived' not in str(e.value)
 
 
+@pytest.mark.exhaustive
 @OWN_RUNS
 def test_every_process_finds_its_programs_in_the_cache_on_the_next_run(tmp_path):
   """Process 1 loads its compiled programs on the next run, as process 0 does.

@@ -90,6 +90,7 @@ finally:
 """
 
 
+@pytest.mark.exhaustive
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
   monkeypatch.setenv('MPLBACKEND', 'Agg')
   # Nothing of the user's Jupyter or IPython set-up (startup files, runtime dir) is used.

@@ -69,6 +69,7 @@ def test_a_declared_pair_becomes_the_battery(user_project):
   ]
 
 
+@pytest.mark.exhaustive
 def test_a_broken_pair_fails_with_the_bitwise_report_and_the_localizer(user_project):
   # Strict projects too: findings go to the JUnit XML without pytest's xunit2 warning
   # (`record_property is incompatible with junit_family 'xunit2'`), an error here. The
@@ -100,6 +101,7 @@ def test_an_unknown_part_is_a_usage_error(user_project, option, message):
   result.stderr.fnmatch_lines([f'ERROR: --parity-parts: {message}; parts: structure, *'])
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize('parts', ["'grads'", "('grad', 'train')"], ids=['a_string', 'a_misspelt_name'])
 def test_a_pair_with_an_unknown_part_fails_collection(user_project, parts):
   """Not a pair with fewer tests, or none, in silence."""
@@ -112,12 +114,14 @@ def test_a_pair_with_an_unknown_part_fails_collection(user_project, parts):
   ])
 
 
+@pytest.mark.exhaustive
 def test_the_mesh_part_gets_its_cpu_devices_from_the_plugin(user_project):
   """The default mesh, data=8, on a CPU host of any core count: the plugin sets 8 CPU devices."""
   result = user_project.runpytest_subprocess('--parity-parts=mesh', '-k', 'not broken', '-p', 'no:cacheprovider')
   result.assert_outcomes(passed=1)
 
 
+@pytest.mark.exhaustive
 def test_meshes_of_two_sizes_are_a_usage_error(user_project):
   result = user_project.runpytest_subprocess(
       '--parity-mesh=data=8', '--parity-mesh=data=4', '-p', 'no:cacheprovider')

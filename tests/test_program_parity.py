@@ -66,6 +66,7 @@ def test_program_identical_on_the_three_axis_mesh(scenario):
   _check_program(mesh_run(scenario, THREE_AXES).program_diff)
 
 
+@pytest.mark.exhaustive
 def test_the_other_layout_is_a_stated_program_difference():
   """`10_scan_axis0`: the layers' axis differs by design, so the programs do too."""
   result = tiny_run('10_scan_axis0')
@@ -82,6 +83,7 @@ def test_the_other_layout_is_a_stated_program_difference():
   assert moved.expected_difference is not None and not moved.same_program
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize('scanned', [True, False], ids=['scanned', 'unscanned'])
 def test_fp8_under_rematerialisation_is_the_same_program(scanned):
   """fp8 and remat together (no scenario combines them): lowered, not trained.

@@ -88,6 +88,7 @@ def test_step_times_and_checkpoint_saves_are_timed_apart(tmp_path):
     manager.close()
 
 
+@pytest.mark.exhaustive
 def test_avg_step_leaves_step_0_out_and_per_device_rates_follow():
   result = tiny_run()
   run = result.linen
@@ -115,6 +116,7 @@ def test_weight_flops_match_a_reference_training_log():
   assert abs(per_token / seed_weight_flops - 1) < 1e-3, per_token
 
 
+@pytest.mark.exhaustive
 def test_analytic_flops_agree_with_xla_cost_analysis():
   """The analytic count against XLA's cost analysis of the compiled Linen step.
 
@@ -138,6 +140,7 @@ def test_analytic_flops_agree_with_xla_cost_analysis():
   assert 1.0 <= xla / analytic.total <= 1.15, (xla, analytic.total)
 
 
+@pytest.mark.exhaustive
 def test_a_step_compiled_without_its_comparison_has_no_program_to_diff():
   """`compare_program=False` skips the comparison lowering; diffing such a step is an error."""
   model_cfg, train_cfg = get_configs('tiny', '02_unscanned')

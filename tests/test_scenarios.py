@@ -60,6 +60,7 @@ def test_scenario_trains_bit_identically(scenario):
   _check_loss_record(f'{scenario}.txt', lines)
 
 
+@pytest.mark.exhaustive
 def test_a_train_metric_other_than_the_loss_is_compared(monkeypatch):
   """An NNX step whose z-loss alone is off (doubled): the runner and the battery see it."""
   from models.nnx import train as nnx_train
@@ -157,6 +158,7 @@ def test_scenario_specs_agree(scenario):
     assert differing and all('/layers/' in p for p in differing)
 
 
+@pytest.mark.exhaustive
 def test_dropout_is_not_vacuous():
   baseline, dropout = _run('01_baseline'), _run('03_dropout')
   assert all(a != b for a, b in zip(baseline.linen.loss_hex, dropout.linen.loss_hex))
@@ -172,6 +174,7 @@ def test_dropout_keys_differ_between_steps_layers_microbatches_and_sites():
   assert len(bits) == len(site_keys)
 
 
+@pytest.mark.exhaustive
 def test_dropout_masks_change_between_steps_on_both_sides():
   """Same params, same batch, two step counters: the logits must differ (new masks)."""
   sides, states = start('03_dropout')
@@ -185,6 +188,7 @@ def test_dropout_masks_change_between_steps_on_both_sides():
     assert not np.array_equal(np.asarray(a), np.asarray(c))
 
 
+@pytest.mark.exhaustive
 def test_grad_accum_matches_one_big_batch_within_bound():
   """4 microbatches of 2 vs one batch of 8, no dropout: close, not bitwise.
 

@@ -134,6 +134,7 @@ def test_lowered_train_steps_carry_the_same_shardings(scenario, mesh):
   )
 
 
+@pytest.mark.exhaustive
 def test_nnx_init_creates_its_state_in_the_target_shardings():
   """NNX's own initialiser (the runs above start NNX from Linen's state)."""
   model_cfg, train_cfg = get_configs('tiny', '01_baseline')

@@ -1,0 +1,98 @@
+"""The suite's two tiers: the core proof that `make test` runs, and the exhaustive rest.
+
+The core tier proves each model family end to end, quickly: the plugin's
+battery for the decoder's baseline scenario, the convolutional classifier
+and the encoder (stock attention's declared difference included); the
+decoder's baseline on the 3-axis mesh (shardings, annotations, memory and
+program); its loss records; the localizer on planted bugs; the bridge,
+comparison, report, converter and launcher tests that compile little. It
+takes minutes cold on two cores.
+
+The exhaustive tier adds everything else the suite has: every other decoder
+scenario (unscanned, dropout, rematerialisation, fp8, gradient
+accumulation, eval, bf16 weights, tied logits, scan axis 0) with its records,
+the decoder's other three meshes, checkpoints across placements, the
+multi-process runs, the CLI end to end, the migration guide notebook and
+the hardware tier on the CPU devices. `pytest --exhaustive` (`make test-all`)
+runs both tiers; CI runs `make test` and then `make test-all`. A run that
+names paths or test ids (`pytest tests/test_multihost.py`), or selects by
+`-m` or `-k` (`pytest -m hardware`), runs what it names, whatever the tier.
+
+A test joins the exhaustive tier by its decoder scenario or mesh, by the
+part of a declared pair's battery it is (below), or by the `exhaustive`
+marker. Nothing here imports jax.
+"""
+from __future__ import annotations
+
+import pytest
+
+CORE_SCENARIOS = ('01_baseline',)
+# The decoder's mesh matrix in the core tier (tests/runs.py MESHES): the mesh of all three axes.
+CORE_MESHES = ('data=2,fsdp=2,tensor=2',)
+# Tests the plugin generates, by xdist group (a pair's) and part (None: every part), with why
+# the core tier can leave them out.
+EXHAUSTIVE_PARTS = {
+    ('parity-classifier_without_batch_norm', None):
+        "batch norm's program isolated: the classifier pair has batch norm and its declared difference",
+    ('parity-encoder', 'mesh'):
+        'tensor parallel on a mesh: the decoder trains on the 3-axis mesh, the classifier on data=8',
+    ('parity-encoder', 'localize'):
+        'the localizer on equal sides: the stock-attention pair localizes a real difference',
+}
+OPTION = 'exhaustive'
+MARKER = 'exhaustive'
+
+
+def _scenario(item, scenarios) -> str | None:
+  """The decoder scenario a test runs: its `scenario` parameter or its xdist group."""
+  callspec = getattr(item, 'callspec', None)
+  scenario = callspec.params.get('scenario') if callspec else None
+  if isinstance(scenario, str):
+    return scenario
+  group = item.get_closest_marker('xdist_group')
+  name = (group.args[0] if group.args else group.kwargs.get('name')) if group else None
+  return name if name in scenarios else None
+
+
+def is_exhaustive(item, scenarios) -> bool:
+  """Whether `item` belongs to the exhaustive tier only."""
+  if item.get_closest_marker(MARKER):
+    return True
+  group = item.get_closest_marker('xdist_group')
+  group = (group.args[0] if group.args else group.kwargs.get('name')) if group else None
+  part = item.originalname[len('test_'):] if item.originalname.startswith('test_') else None
+  if (group, None) in EXHAUSTIVE_PARTS or (group, part) in EXHAUSTIVE_PARTS:
+    return True
+  scenario = _scenario(item, scenarios)
+  if scenario is not None and scenario not in CORE_SCENARIOS:
+    return True
+  callspec = getattr(item, 'callspec', None)
+  mesh = callspec.params.get('mesh') if callspec else None
+  return isinstance(mesh, str) and mesh not in CORE_MESHES
+
+
+def core_only(config) -> bool:
+  """True when this run leaves the exhaustive tier out: no `--exhaustive` and no path named.
+
+  Decided in the main process and handed to pytest-xdist's workers, which
+  must collect the same tests (they see the paths the main process expanded).
+  """
+  worker_input = getattr(config, 'workerinput', None)
+  if worker_input is not None:
+    return bool(worker_input.get('parity_core_only'))
+  return (not config.getoption(OPTION)
+          and config.args_source == pytest.Config.ArgsSource.TESTPATHS
+          and not config.getoption('markexpr', '') and not config.getoption('keyword', ''))
+
+
+def select(config, items, scenarios) -> int:
+  """Deselects the exhaustive tier from `items` (in place) when `core_only`; returns how many."""
+  if not core_only(config):
+    return 0
+  kept, dropped = [], []
+  for item in items:
+    (dropped if is_exhaustive(item, scenarios) else kept).append(item)
+  if dropped:
+    items[:] = kept
+    config.hook.pytest_deselected(items=dropped)
+  return len(dropped)
