@@ -1,0 +1,49 @@
+"""The suite's tiers (tests/tiers.py): what a whole-suite run leaves out, and what brings it back.
+
+Each case collects the suite in a new pytest process (collection only: no
+test runs, nothing compiles) from the repository root, as `make test` does.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+from models.config import SCENARIOS
+from tests import tiers
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _collected(*args: str) -> list[str]:
+  done = subprocess.run(
+      [sys.executable, '-m', 'pytest', '--collect-only', '-q', '-p', 'no:cacheprovider',
+       '--hardware-on-cpu', *args],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env={k: v for k, v in os.environ.items() if k != 'PYTEST_ADDOPTS'},
+  )
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return [line for line in done.stdout.splitlines() if '::' in line]
+
+
+def test_a_whole_suite_run_is_the_core_tier_and_exhaustive_adds_the_rest():
+  core, every = _collected(), _collected('--exhaustive')
+  assert set(core) < set(every)
+  scenarios_in = lambda ids: {s for s in SCENARIOS if any(f'decoder_{s}::' in i for i in ids)}
+  assert scenarios_in(core) == set(tiers.CORE_SCENARIOS)
+  assert scenarios_in(every) == set(SCENARIOS)
+  # Every file keeps a test in the core tier but those that are all one scenario's or all
+  # multi-process; the three families' batteries are in it.
+  for pair in ('decoder_01_baseline::', 'classifier::', 'encoder::', 'encoder_stock_attention::'):
+    assert any(pair in i for i in core), pair
+  left_out = set(every) - set(core)
+  assert any('test_multihost.py::test_two_processes_are_bit_identical' in i for i in left_out)
+  assert any('test_notebook.py::test_notebook_runs_top_to_bottom' in i for i in left_out)
+
+
+def test_a_named_path_or_marker_runs_what_it_names_whatever_the_tier():
+  named = _collected('tests/test_multihost.py')
+  assert any('test_two_processes_are_bit_identical_across_sides' in i for i in named)
+  hardware = _collected('-m', 'hardware')
+  assert hardware and all('test_hardware.py::' in i for i in hardware)
