@@ -116,7 +116,8 @@ def pytest_report_header(config):
   if tiers.core_only(config):
     return ['tier: core (the exhaustive tier is deselected: `make test-all` or --exhaustive runs it;'
             ' tests/tiers.py says what each holds)']
-  return ['tier: ' + ('core and exhaustive' if config.getoption('exhaustive') else 'what the paths name')]
+  return ['tier: ' + ('core and exhaustive' if config.getoption('exhaustive')
+                      else 'both, as far as the paths, -m or -k select')]
 
 
 def accelerator_platform() -> str | None:

@@ -941,5 +941,5 @@ assert specs.physical_spec(('embed_vocab', 'vocab'), my_rules, mesh_sizes) != \
 # identity, identical shardings on a mesh, bit-identical logits, loss,
 # gradients and training, dropout masks that match and move, checkpoints that
 # cross between the frameworks and resume exactly, and one command that shows
-# it all side by side. The full battery (`make test`) runs the same checks on
+# it all side by side. The full battery (`make test-all`) runs the same checks on
 # every scenario and on several meshes.

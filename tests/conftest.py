@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.config import get_preset
-from models.config import SCENARIOS
+from models.config import SCENARIOS, get_preset
 from parity.sides import make_sides
 from tests import tiers
 

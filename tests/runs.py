@@ -33,7 +33,8 @@ MESH_STEPS = 3
 # pairs): the baseline on all four meshes, every scenario on the 3-axis mesh
 # except two whose sharded program another default pair already covers,
 # and gradient accumulation (with dropout) on the seed logs' fsdp=8 too, where
-# tests/test_checkpoints.py trains it.
+# tests/test_checkpoints.py trains it. Those are the exhaustive tier's; the core
+# tier (tests/tiers.py, `make test`) keeps the baseline on the 3-axis mesh.
 MESHES = ('fsdp=8', 'fsdp=4,tensor=2', 'data=2,fsdp=4', 'data=2,fsdp=2,tensor=2')
 THREE_AXES = 'data=2,fsdp=2,tensor=2'
 EXTRA_MESHES = {'01_baseline': MESHES, '06_grad_accum': ('fsdp=8', THREE_AXES)}

@@ -12,7 +12,8 @@ parity/xla_env.py); without it XLA:GPU may reorder sums from run to run.
 Elsewhere these tests are skipped with a reason, unless `--hardware-on-cpu`
 is given: then the same tests run on the 8 CPU devices with the tiny preset
 in bfloat16 (scenario `08_bf16_weights`) on the 3-axis mesh, so the tier's
-code runs in every CI job (`make test` passes the option; that run is
+code runs in every CI job (`make test-all` passes the option, and these
+tests are in the exhaustive tier it adds, tests/tiers.py; that run is
 shared with tests/test_sharding.py).
 """
 from __future__ import annotations

@@ -22,7 +22,8 @@ sharded program another pair covers (`tests.runs.FULL_MATRIX_ONLY` says which
 and why), and gradient accumulation with dropout on `fsdp=8` as well: 13
 pairs. `--full-mesh-matrix` trains every scenario on every mesh (44 pairs,
 about 13 s of compile each when nothing is cached, so it is left out of the
-default suite's time budget).
+default suite's time budget). The core tier (tests/tiers.py, `make test`) keeps
+the baseline on the 3-axis mesh; `make test-all` runs the 13 pairs.
 """
 from __future__ import annotations
 

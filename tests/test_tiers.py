@@ -1,7 +1,8 @@
 """The suite's tiers (tests/tiers.py): what a whole-suite run leaves out, and what brings it back.
 
-Each case collects the suite in a new pytest process (collection only: no
-test runs, nothing compiles) from the repository root, as `make test` does.
+The first test collects the suite twice in new pytest processes (collection
+only: no test runs, nothing compiles) from the repository root, as `make
+test` and `make test-all` do; the second checks when a run is the core tier.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 from models.config import SCENARIOS
 from tests import tiers
@@ -42,8 +45,25 @@ def test_a_whole_suite_run_is_the_core_tier_and_exhaustive_adds_the_rest():
   assert any('test_notebook.py::test_notebook_runs_top_to_bottom' in i for i in left_out)
 
 
+class _Config:
+  """What `tiers.core_only` reads of a pytest config."""
+
+  def __init__(self, exhaustive=False, source='TESTPATHS', markexpr='', keyword='', workerinput=None):
+    self._options = {'exhaustive': exhaustive, 'markexpr': markexpr, 'keyword': keyword}
+    self.args_source = getattr(pytest.Config.ArgsSource, source)
+    if workerinput is not None:
+      self.workerinput = workerinput
+
+  def getoption(self, name, default=None):
+    return self._options.get(name, default)
+
+
 def test_a_named_path_or_marker_runs_what_it_names_whatever_the_tier():
-  named = _collected('tests/test_multihost.py')
-  assert any('test_two_processes_are_bit_identical_across_sides' in i for i in named)
-  hardware = _collected('-m', 'hardware')
-  assert hardware and all('test_hardware.py::' in i for i in hardware)
+  assert tiers.core_only(_Config())
+  assert not tiers.core_only(_Config(exhaustive=True))
+  assert not tiers.core_only(_Config(source='ARGS'))  # pytest tests/test_multihost.py
+  assert not tiers.core_only(_Config(markexpr='hardware'))  # pytest -m hardware
+  assert not tiers.core_only(_Config(keyword='multihost'))
+  # An xdist worker sees the paths the main process expanded: it takes the main process's choice.
+  assert tiers.core_only(_Config(source='ARGS', workerinput={'parity_core_only': True}))
+  assert not tiers.core_only(_Config(workerinput={'parity_core_only': False}))
