@@ -2,18 +2,23 @@
 
 The core tier proves each model family end to end, quickly: the plugin's
 battery for the decoder's baseline scenario, the convolutional classifier
-and the encoder (stock attention's declared difference included); the
-decoder's baseline on the 3-axis mesh (shardings, annotations, memory and
-program); its loss records; the localizer on planted bugs; the bridge,
-comparison, report, converter and launcher tests that compile little. It
-takes minutes cold on two cores.
+(on `data=8` too) and the encoder (stock attention's declared difference
+named by the localizer); the decoder's baseline on the 3-axis mesh
+(shardings, annotations, memory and program); its loss record; the
+localizer's own tests on small planted breaks; the bridge, comparison,
+report, converter, launcher and plugin tests that compile little (a pair
+declared in a fresh directory among them). On two cores it takes about 3
+minutes cold and 1 warm (README).
 
 The exhaustive tier adds everything else the suite has: every other decoder
 scenario (unscanned, dropout, rematerialisation, fp8, gradient
 accumulation, eval, bf16 weights, tied logits, scan axis 0) with its records,
 the decoder's other three meshes, checkpoints across placements, the
-multi-process runs, the CLI end to end, the migration guide notebook and
-the hardware tier on the CPU devices. `pytest --exhaustive` (`make test-all`)
+multi-process runs, the CLI end to end, the migration guide notebook, the
+hardware tier on the CPU devices, the planted bugs in the decoder and the
+encoder that the localizer names, and the tests that break a pair on
+purpose to check what the plugin's failures say (a new pair each, so new
+programs to compile). `pytest --exhaustive` (`make test-all`)
 runs both tiers; CI runs `make test` and then `make test-all`. A run that
 names paths or test ids (`pytest tests/test_multihost.py`), or selects by
 `-m` or `-k` (`pytest -m hardware`), runs what it names, whatever the tier.
