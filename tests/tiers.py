@@ -48,32 +48,35 @@ OPTION = 'exhaustive'
 MARKER = 'exhaustive'
 
 
-def _scenario(item, scenarios) -> str | None:
-  """The decoder scenario a test runs: its `scenario` parameter or its xdist group."""
+def _param(item, name: str) -> str | None:
+  """The test's `name` parameter when it is a string."""
   callspec = getattr(item, 'callspec', None)
-  scenario = callspec.params.get('scenario') if callspec else None
-  if isinstance(scenario, str):
-    return scenario
-  group = item.get_closest_marker('xdist_group')
-  name = (group.args[0] if group.args else group.kwargs.get('name')) if group else None
-  return name if name in scenarios else None
+  value = callspec.params.get(name) if callspec else None
+  return value if isinstance(value, str) else None
+
+
+def _group(item) -> str | None:
+  """The test's xdist group."""
+  marker = item.get_closest_marker('xdist_group')
+  if marker is None:
+    return None
+  return marker.args[0] if marker.args else marker.kwargs.get('name')
 
 
 def is_exhaustive(item, scenarios) -> bool:
   """Whether `item` belongs to the exhaustive tier only."""
   if item.get_closest_marker(MARKER):
     return True
-  group = item.get_closest_marker('xdist_group')
-  group = (group.args[0] if group.args else group.kwargs.get('name')) if group else None
+  group = _group(item)
   part = item.originalname[len('test_'):] if item.originalname.startswith('test_') else None
   if (group, None) in EXHAUSTIVE_PARTS or (group, part) in EXHAUSTIVE_PARTS:
     return True
-  scenario = _scenario(item, scenarios)
+  # The decoder scenario it runs: its `scenario` parameter, or its group (a scenario's tests share one).
+  scenario = _param(item, 'scenario') or (group if group in scenarios else None)
   if scenario is not None and scenario not in CORE_SCENARIOS:
     return True
-  callspec = getattr(item, 'callspec', None)
-  mesh = callspec.params.get('mesh') if callspec else None
-  return isinstance(mesh, str) and mesh not in CORE_MESHES
+  mesh = _param(item, 'mesh')
+  return mesh is not None and mesh not in CORE_MESHES
 
 
 def core_only(config) -> bool:
