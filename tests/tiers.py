@@ -16,9 +16,10 @@ accumulation, eval, bf16 weights, tied logits, scan axis 0) with its records,
 the decoder's other three meshes, checkpoints across placements, the
 multi-process runs, the CLI end to end, the migration guide notebook, the
 hardware tier on the CPU devices, the planted bugs in the decoder and the
-encoder that the localizer names, and the tests that break a pair on
-purpose to check what the plugin's failures say (a new pair each, so new
-programs to compile). `pytest --exhaustive` (`make test-all`)
+encoder that the localizer names, the train-state extras carried across
+(an EMA of the parameters, a dynamic loss scale) and the tests that break a
+pair on purpose to check what the plugin's failures say (a new pair each,
+so new programs to compile). `pytest --exhaustive` (`make test-all`)
 runs both tiers; CI runs `make test` and then `make test-all`. A run that
 names paths or test ids (`pytest tests/test_multihost.py`), or selects by
 `-m` or `-k` (`pytest -m hardware`), runs what it names, whatever the tier.
