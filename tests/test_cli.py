@@ -65,6 +65,7 @@ SIDE_KEYS = ('losses', 'loss_hex', 'step_times', 'compile_s', 'checkpoint_s', 'a
              'tokens_per_s', 'tflops_per_s', 'memory')
 
 
+@pytest.mark.xdist_group('01_baseline')  # the scenario's programs, compiled once in its worker
 def test_compare_reports_bit_identical(capsys, tmp_path):
   files = {'json': tmp_path / 'report.json', 'markdown': tmp_path / 'report.md',
            'plot': tmp_path / 'losses.png'}
@@ -94,6 +95,7 @@ def test_compare_reports_bit_identical(capsys, tmp_path):
   assert files['plot'].read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
+@pytest.mark.exhaustive
 def test_compare_exits_1_and_says_where_the_sides_diverge(capsys, monkeypatch, tmp_path):
   """The NNX side receives a state with the embedding nudged: a real divergence at step 0."""
   from parity import runner

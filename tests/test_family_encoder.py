@@ -117,6 +117,7 @@ encoder_stock_attention = Pair(
     functools.partial(encoder_batch, STOCK),
     known_differences=(STOCK_ATTENTION, STOCK_ATTENTION_PROGRAM),
     parts=('structure', 'specs', 'localize', 'program'),
+    group='parity-encoder',  # the Linen side is the encoder pair's: its programs compile once
 )
 
 

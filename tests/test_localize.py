@@ -265,6 +265,7 @@ def _family_localization(module_file, cfg, broken_create=None, pair_name=None):
   return runs.localization().first(0)
 
 
+@pytest.mark.xdist_group('parity-classifier')  # the Linen side's programs are the pair's
 def test_a_classifier_batch_norm_epsilon_is_named():
   from models.nnx import classifier as nnx_classifier
   from tests import test_family_classifier as family
@@ -292,6 +293,7 @@ def test_an_encoder_layer_norm_epsilon_is_named():
   assert (first['path'], first['layer'], first['pass']) == ('layers/LayerNorm_1', 1, 'forward')
 
 
+@pytest.mark.xdist_group('parity-encoder')  # the pair's localization, computed once in its worker
 def test_the_stock_attention_difference_is_named_with_its_pass():
   from tests import test_family_encoder as family
 

@@ -35,15 +35,18 @@ import pytest
 CORE_SCENARIOS = ('01_baseline',)
 # The decoder's mesh matrix in the core tier (tests/runs.py MESHES): the mesh of all three axes.
 CORE_MESHES = ('data=2,fsdp=2,tensor=2',)
-# Tests the plugin generates, by xdist group (a pair's) and part (None: every part), with why
-# the core tier can leave them out.
+# Tests the plugin generates, by pair (its name) and part (None: every part), with why the
+# core tier can leave them out.
 EXHAUSTIVE_PARTS = {
-    ('parity-classifier_without_batch_norm', None):
+    ('classifier_without_batch_norm', None):
         "batch norm's program isolated: the classifier pair has batch norm and its declared difference",
-    ('parity-encoder', 'mesh'):
+    ('encoder', 'mesh'):
         'tensor parallel on a mesh: the decoder trains on the 3-axis mesh, the classifier on data=8',
-    ('parity-encoder', 'localize'):
+    ('encoder', 'localize'):
         'the localizer on equal sides: the stock-attention pair localizes a real difference',
+    ('decoder_01_baseline', 'localize'):
+        "the localizer on the decoder's equal sides: the core tier runs it on the classifier,"
+        " on stock attention's real difference and in test_localize.py",
 }
 OPTION = 'exhaustive'
 MARKER = 'exhaustive'
@@ -68,10 +71,12 @@ def is_exhaustive(item, scenarios) -> bool:
   """Whether `item` belongs to the exhaustive tier only."""
   if item.get_closest_marker(MARKER):
     return True
+  pair = getattr(getattr(item, 'cls', None), 'pair', None)  # a test the plugin generated
+  if pair is not None:
+    part = item.originalname[len('test_'):]
+    if (pair.name, None) in EXHAUSTIVE_PARTS or (pair.name, part) in EXHAUSTIVE_PARTS:
+      return True
   group = _group(item)
-  part = item.originalname[len('test_'):] if item.originalname.startswith('test_') else None
-  if (group, None) in EXHAUSTIVE_PARTS or (group, part) in EXHAUSTIVE_PARTS:
-    return True
   # The decoder scenario it runs: its `scenario` parameter, or its group (a scenario's tests share one).
   scenario = _param(item, 'scenario') or (group if group in scenarios else None)
   if scenario is not None and scenario not in CORE_SCENARIOS:
