@@ -7,8 +7,8 @@ named by the localizer); the decoder's baseline on the 3-axis mesh
 (shardings, annotations, memory and program); its loss record; the
 localizer's own tests on small planted breaks; the bridge, comparison,
 report, converter, launcher and plugin tests that compile little (a pair
-declared in a fresh directory among them). On two cores it takes about 3
-minutes cold and 1 warm (README).
+declared in a fresh directory among them). On two cores it takes 3 to 4
+minutes cold and 1 to 1.5 warm (README).
 
 The exhaustive tier adds everything else the suite has: every other decoder
 scenario (unscanned, dropout, rematerialisation, fp8, gradient
