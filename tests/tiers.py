@@ -86,7 +86,7 @@ def is_exhaustive(item, scenarios) -> bool:
 
 
 def core_only(config) -> bool:
-  """True when this run leaves the exhaustive tier out: no `--exhaustive` and no path named.
+  """True when this run leaves the exhaustive tier out: no `--exhaustive`, no path, `-m` or `-k`.
 
   Decided in the main process and handed to pytest-xdist's workers, which
   must collect the same tests (they see the paths the main process expanded).
