@@ -71,7 +71,7 @@ def pytest_addoption(parser):
       '--exhaustive', action='store_true', default=False,
       help='run the exhaustive tier too (tests/tiers.py): every decoder scenario, mesh and'
            ' multi-process run, the CLI end to end and the notebook. Without it a run of the'
-           ' whole suite (no path named) runs the core tier; `make test-all` and CI pass it',
+           ' whole suite (no path, -m or -k given) runs the core tier; `make test-all` and CI pass it',
   )
   group.addoption(
       '--full-mesh-matrix', action='store_true', default=False,
@@ -107,7 +107,7 @@ def pytest_configure_node(node):
   """pytest-xdist's hook as it starts a worker: the tier the main process chose (tests/tiers.py)."""
   from tests import tiers
 
-  node.workerinput['parity_core_only'] = tiers.core_only(node.config)
+  node.workerinput[tiers.WORKER_INPUT] = tiers.core_only(node.config)
 
 
 def pytest_report_header(config):

@@ -27,8 +27,7 @@ def pytest_collection_modifyitems(config, items):
   keeping its tests in one worker computes each run once.
   """
   for item in items:
-    callspec = getattr(item, 'callspec', None)
-    scenario = callspec.params.get('scenario') if callspec else None
-    if isinstance(scenario, str):
+    scenario = tiers.string_param(item, 'scenario')
+    if scenario is not None:
       item.add_marker(pytest.mark.xdist_group(scenario))
   tiers.select(config, items, SCENARIOS)

@@ -65,5 +65,5 @@ def test_a_named_path_or_marker_runs_what_it_names_whatever_the_tier():
   assert not tiers.core_only(_Config(markexpr='hardware'))  # pytest -m hardware
   assert not tiers.core_only(_Config(keyword='multihost'))
   # An xdist worker sees the paths the main process expanded: it takes the main process's choice.
-  assert tiers.core_only(_Config(source='ARGS', workerinput={'parity_core_only': True}))
-  assert not tiers.core_only(_Config(workerinput={'parity_core_only': False}))
+  assert tiers.core_only(_Config(source='ARGS', workerinput={tiers.WORKER_INPUT: True}))
+  assert not tiers.core_only(_Config(workerinput={tiers.WORKER_INPUT: False}))

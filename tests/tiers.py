@@ -48,11 +48,12 @@ EXHAUSTIVE_PARTS = {
         "the localizer on the decoder's equal sides: the core tier runs it on the classifier,"
         " on stock attention's real difference and in test_localize.py",
 }
-OPTION = 'exhaustive'
-MARKER = 'exhaustive'
+MARKER = 'exhaustive'  # and the option, --exhaustive (root conftest.py)
+# How the main process tells pytest-xdist's workers its choice (root conftest.py).
+WORKER_INPUT = 'parity_core_only'
 
 
-def _param(item, name: str) -> str | None:
+def string_param(item, name: str) -> str | None:
   """The test's `name` parameter when it is a string."""
   callspec = getattr(item, 'callspec', None)
   value = callspec.params.get(name) if callspec else None
@@ -78,10 +79,10 @@ def is_exhaustive(item, scenarios) -> bool:
       return True
   group = _group(item)
   # The decoder scenario it runs: its `scenario` parameter, or its group (a scenario's tests share one).
-  scenario = _param(item, 'scenario') or (group if group in scenarios else None)
+  scenario = string_param(item, 'scenario') or (group if group in scenarios else None)
   if scenario is not None and scenario not in CORE_SCENARIOS:
     return True
-  mesh = _param(item, 'mesh')
+  mesh = string_param(item, 'mesh')
   return mesh is not None and mesh not in CORE_MESHES
 
 
@@ -93,8 +94,8 @@ def core_only(config) -> bool:
   """
   worker_input = getattr(config, 'workerinput', None)
   if worker_input is not None:
-    return bool(worker_input.get('parity_core_only'))
-  return (not config.getoption(OPTION)
+    return bool(worker_input.get(WORKER_INPUT))
+  return (not config.getoption('exhaustive')
           and config.args_source == pytest.Config.ArgsSource.TESTPATHS
           and not config.getoption('markexpr', '') and not config.getoption('keyword', ''))
 
