@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 # compiled program and a worker keeps its programs: one running half the suite
 # passed Linux's limit of 65,530 memory maps and crashed in XLA. The plugin
 # now drops jax's in-memory caches in a worker past half the limit
-# (parity/map_limit.py), so the worker count is free again; on 2 cores, 2
+# (parity/env/map_limit.py), so the worker count is free again; on 2 cores, 2
 # workers were faster than 4 (warm: 147 s against 164 s).
 #
 # `make test` runs the core tier, `make test-all` both tiers (tests/tiers.py).

@@ -1,9 +1,9 @@
 """Repository-wide pytest set-up: the XLA environment, before anything imports jax.
 
 * The CPU battery runs on 8 CPU devices (the mesh tests need them) and 8
-  CPU-client threads with the portable CPU numerics of `parity.xla_env`, so
+  CPU-client threads with the portable CPU numerics of `parity.env.xla_env`, so
   that exact-bit records hold on x86-64 hosts with AVX2 whatever their core
-  count, and on other CPU models as far as measured (parity/xla_env.py).
+  count, and on other CPU models as far as measured (parity/env/xla_env.py).
 * It runs on the CPU devices whatever the default backend is: on a GPU or TPU
   host the plain `pytest -n auto` still runs the CPU battery (the processes
   its tests start too), and xdist workers do not preallocate accelerator
@@ -11,7 +11,7 @@
   (`pytest -m hardware`, or its alias `-m tpu`) uses the accelerator, with
   the deterministic GPU flags set here.
 * Python's garbage collector runs less often while the workers trace
-  (parity/gc_tuning.py).
+  (parity/env/gc_tuning.py).
 
 pytest-xdist workers import this file too, so they get the same environment.
 """
@@ -21,7 +21,8 @@ import tempfile
 
 import pytest
 
-from parity import gc_tuning, xla_env
+from parity.env import gc_tuning
+from parity.env import xla_env
 
 xla_env.add_flags(
     (xla_env.host_device_count_flag(xla_env.SUITE_CPU_DEVICES),)
@@ -29,7 +30,7 @@ xla_env.add_flags(
     + xla_env.GPU_DETERMINISTIC_FLAGS
 )
 # XLA:CPU splits large loops into one task per CPU-client thread, and the split
-# can change bits (parity/xla_env.py): 8 threads on every host, as with 8 devices.
+# can change bits (parity/env/xla_env.py): 8 threads on every host, as with 8 devices.
 os.environ.setdefault(xla_env.CPU_THREADS_ENV, str(xla_env.SUITE_CPU_DEVICES))
 # Each xdist worker is a process; preallocation would give the first one most
 # of the accelerator's memory and the others none.
@@ -53,7 +54,7 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(8 * 2**30))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
-# Fewer garbage collections while tracing (parity/gc_tuning.py: about 8 % of the warm suite).
+# Fewer garbage collections while tracing (parity/env/gc_tuning.py: about 8 % of the warm suite).
 gc_tuning.tune()
 
 HARDWARE_MARKERS = ('hardware', 'tpu')  # `tpu` is the tier's older name, kept as an alias

@@ -42,7 +42,7 @@ STEP = 1000
 _CHILD = textwrap.dedent("""
     import json, resource, sys, time
     sys.path.insert(0, {repo!r})
-    from parity import convert
+    from parity.store import convert
 
     def rss_kib():
       with open('/proc/self/status') as f:
@@ -75,11 +75,11 @@ def _values(path: str, shape, dtype, gen: np.random.Generator) -> np.ndarray:
 
 def write_source(directory: str, num_layers: int | None) -> int:
   """Writes the default preset's state as an fsdp=8 save would; returns its array bytes."""
-  from bridge import specs
+  from parity.core import specs
   from models.config import get_configs, replace
-  from parity import checkpoints as ck
-  from parity import convert
-  from parity.sides import make_sides
+  from parity.store import checkpoints as ck
+  from parity.store import convert
+  from bridge.sides import make_sides
 
   model_cfg, train_cfg = get_configs('default')
   if num_layers is not None:

@@ -20,7 +20,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from parity import xla_env  # noqa: E402  (imports no jax)
+from parity.env import xla_env  # noqa: E402  (imports no jax)
 
 
 def main() -> int:
@@ -30,16 +30,16 @@ def main() -> int:
   parser.add_argument('--mesh', default=None, help='e.g. fsdp=8 (CPU devices are made for it)')
   args = parser.parse_args()
   if args.mesh:
-    from bridge.specs import parse_mesh_spec  # noqa: E402  (imports jax; no backend started)
+    from parity.core.specs import parse_mesh_spec  # noqa: E402  (imports jax; no backend started)
     count = math.prod(parse_mesh_spec(args.mesh).values())
     xla_env.add_flags([xla_env.host_device_count_flag(count)])
 
   import jax
 
-  from bridge import specs
+  from parity.core import specs
   from models.config import get_configs
-  from parity import runner
-  from parity.sides import abstract_step_inputs, make_sides
+  from parity.run import runner
+  from bridge.sides import abstract_step_inputs, make_sides
 
   model_cfg, train_cfg = get_configs(args.preset, args.scenario)
   mesh = specs.make_mesh(args.mesh) if args.mesh else None

@@ -2,7 +2,7 @@
 
 Not a timed test: a benchmark to run by hand (or in CI on a quiet machine).
 Both train steps are compiled once; then `--repetitions` independent runs
-(`parity.runner.run_compare`: a fresh state each, the sides' steps
+(`bridge.reference.run_compare`: a fresh state each, the sides' steps
 interleaved, which side goes first alternating every step, each step timed
 from dispatch to its loss on the host) of `--steps` steps each. Step 0 of a
 run is left out (first-execution effects). Per run, the ratio of median step
@@ -26,7 +26,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.config import get_configs  # noqa: E402
-from parity import runner  # noqa: E402
+from bridge import reference  # noqa: E402
+from parity.run import runner  # noqa: E402
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
   start = time.perf_counter()
   rows, pair_ratios = [], []
   for rep in range(args.repetitions):
-    result = runner.run_compare(model_cfg, train_cfg, args.steps, program_diff=False)
+    result = reference.run_compare(model_cfg, train_cfg, args.steps, program_diff=False)
     if not result.bitwise_equal:
       print(f'repetition {rep}: the sides diverged ({result.verdict()})', file=sys.stderr)
       return 1

@@ -25,13 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bridge import paths
-from bridge.errors import Problem, TreeMismatchError
+from parity.core import paths
+from parity.core.errors import Problem, TreeMismatchError
+from parity.core.state import LINEN_STEP_DTYPE, NNX_STEP_DTYPE, convert_step, param_suffix  # noqa: F401
 from bridge.layout import IDENTITY, Layout
 from models.nnx.layers import Fp8Meta
 
-LINEN_STEP_DTYPE = np.int32
-NNX_STEP_DTYPE = np.uint32
 # Checkpoint prefix of the fp8 scaling state (the Linen TrainState field).
 FP8_PREFIX = 'fp8_meta/'
 
@@ -197,32 +196,3 @@ def _strip_prefix(what: str, flat: Mapping[str, Any], prefix: str) -> dict[str, 
 
 def _param_paths(flat: Mapping[str, Any], prefix: str) -> set[str]:
   return {p[len(prefix):] for p in flat if p.startswith(prefix)}
-
-
-def param_suffix(path: str, param_paths: Iterable[str]) -> str | None:
-  """The parameter path that `path` ends with (an optimizer leaf mirroring it).
-
-  The longest one: where one parameter's path ends with another's
-  (`enc/head/kernel` and `head/kernel`), the mirror of the longer one ends
-  with both, and the answer must not depend on the order of `param_paths`.
-  """
-  return max((p for p in param_paths if path.endswith('/' + p)), key=len, default=None)
-
-
-def convert_step(value: Any, dtype: Any) -> Any:
-  """The step counter in `dtype`, exactly; stays on its device (and sharding)."""
-  if not hasattr(value, 'shape'):
-    value = np.asarray(value)
-  if value.shape != () or not np.issubdtype(np.dtype(value.dtype), np.integer):
-    raise TreeMismatchError(
-        'train state step', [Problem('step', 'dtype', 'an integer scalar', paths.describe(value))]
-    )
-  if isinstance(value, jax.ShapeDtypeStruct):
-    return jax.ShapeDtypeStruct((), dtype, sharding=value.sharding)
-  if not 0 <= int(value) <= np.iinfo(np.int32).max:
-    raise TreeMismatchError(
-        'train state step', [Problem('step', 'value', '0 <= step < 2**31', str(int(value)))]
-    )
-  if isinstance(value, jax.Array):
-    return value.astype(dtype)
-  return jnp.asarray(value, dtype)

@@ -3,7 +3,7 @@
 The reference decoder (models/config.py, models/data.py) is written layer by
 layer; these two are built from flax's stock layers on both sides, as a
 user's own migration would be, and are tested through the pytest plugin
-only (parity/plugin.py). Framework-free, like models/config.py: both sides
+only (parity/battery/plugin.py). Framework-free, like models/config.py: both sides
 read the same dataclasses and batches.
 """
 from __future__ import annotations

@@ -21,6 +21,8 @@ import enum
 import jax
 import jax.numpy as jnp
 
+from parity.core.rng import base_key, step_key  # noqa: F401  (the kit's step keys; this module adds layers and sites)
+
 
 class Site(enum.IntEnum):
   """Where in a layer a dropout mask is drawn."""
@@ -31,17 +33,6 @@ class Site(enum.IntEnum):
 
 
 EMBEDDING_LAYER = -1
-
-
-def base_key(seed: int) -> jax.Array:
-  """The dropout base key of a run (kept in the train state for resumes)."""
-  return jax.random.fold_in(jax.random.PRNGKey(seed), 0x0D0)
-
-
-def step_key(base: jax.Array, step: jax.Array | int, microbatch: jax.Array | int) -> jax.Array:
-  """Key of one (step, microbatch): the parent of all its layer keys."""
-  key = jax.random.fold_in(base, jnp.asarray(step, jnp.uint32))
-  return jax.random.fold_in(key, jnp.asarray(microbatch, jnp.uint32))
 
 
 def layer_keys(key: jax.Array, num_layers: int) -> jax.Array:

@@ -104,9 +104,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bridge import paths, specs
+from parity.core import paths
+from parity.core import specs
 from bridge import train_state as bridge
-from bridge.errors import TreeMismatchError
+from parity.core.errors import TreeMismatchError
 from bridge.layout import IDENTITY, AxisMove, Layout, layout_for
 from models import data, rng
 from models.config import SCENARIOS, get_configs
@@ -115,9 +116,12 @@ from models.linen import layers as linen_layers
 from models.nnx import decoder as nnx_decoder
 from models.nnx import layers as nnx_layers
 from models.nnx import train as nnx_train
-from parity import activations, checkpoints, cli, tables
-from parity.bitwise import assert_bitwise_equal, compare_trees
-from parity.sides import abstract_step_inputs, as_jax_batch, make_sides
+from parity.compare import activations
+from parity.store import checkpoints
+from parity.run import cli
+from bridge import tables
+from parity.core.bitwise import assert_bitwise_equal, compare_trees
+from bridge.sides import abstract_step_inputs, as_jax_batch, make_sides
 
 print(f'jax {jax.__version__}, flax {flax.__version__}, {jax.device_count()} {jax.default_backend()} devices')
 assert jax.device_count() >= 8, 'section 4 needs 8 devices: restart the kernel and run this cell first'
@@ -182,7 +186,7 @@ print('scenarios:', ', '.join(SCENARIOS))
 #   `nn.with_logical_partitioning(init, ('embed', 'mlp'))`. NNX puts the names on
 #   the variable as metadata: `nnx.Param(value, out_sharding=('embed', 'mlp'))`
 #   (flax renamed this keyword during 0.12.x, so the project keeps the call in
-#   `models/compat.py`: `compat.nnx_param`).
+#   `parity/core/compat.py`: `compat.nnx_param`).
 # * **Randomness.** Linen asks the framework for keys (`self.make_rng('params')`,
 #   `self.make_rng('dropout')`); NNX takes an `nnx.Rngs` object in the
 #   constructor. The two derive keys differently, so the same seed never gives
@@ -326,7 +330,7 @@ assert len(without_rule) > 0
 # | NNX state of `(model, optimizer)` | Linen `TrainState` | `nnx_to_linen(nnx_state, linen_state, layout)` |
 #
 # In this project both sides also sit behind one small interface
-# (`parity.sides`): `init(seed)`, `train_step`, `forward`, `to_checkpoint`,
+# (`bridge.sides`): `init(seed)`, `train_step`, `forward`, `to_checkpoint`,
 # `from_checkpoint`, ... The sides were made in section 2.
 
 # %%
@@ -350,7 +354,7 @@ except TreeMismatchError as e:
     print(e)
 
 # %% [markdown]
-# **Both parameter tables.** `parity.tables` reads every parameter's path,
+# **Both parameter tables.** `bridge.tables` reads every parameter's path,
 # shape, dtype and logical axes from each side (through `eval_shape`, so this
 # works for the 1.1-billion-parameter `default` preset too). The tables must
 # be equal row for row.
@@ -385,7 +389,7 @@ else:
 # Parameters carry *logical* axis names (`'embed'`, `'mlp'`, ...). **Rules**
 # map each logical name to a mesh axis (`'fsdp'`, `'tensor'`, ...), giving the
 # *physical* `PartitionSpec`. The rules are data, shared by both sides
-# (`bridge.specs.DEFAULT_RULES`); the resolution is flax's own
+# (`parity.core.specs.DEFAULT_RULES`); the resolution is flax's own
 # (`nn.logical_to_mesh_axes`: first matching rule wins, a mesh axis is used at
 # most once per array). Here is the parameter part of the rules:
 
@@ -465,7 +469,7 @@ except TreeMismatchError as e:
 # activations by logical name (`nn.with_logical_constraint` in Linen, a small
 # helper over `jax.lax.with_sharding_constraint` in NNX). Only the physical
 # spec reaches the compiled program, so two names the rules send to one mesh
-# axis look the same there. `parity.activations` traces each side's train
+# axis look the same there. `parity.compare.activations` traces each side's train
 # step (nothing compiled) under a mesh whose axes are the logical names
 # themselves, which keeps every constraint's names in the traced program: one
 # row per constraint, in program order, with the model method that applied it
@@ -502,7 +506,7 @@ assert len(act_report) == 1 and 'vs NNX' in act_report[0] and "'activation_mlp'"
 # tolerance.** A tolerance answers "are these close?", and close is what a
 # subtle migration bug looks like: a missing `astype`, a constraint dropped on
 # one side, a dropout mask that does not change, a reduction in another order.
-# `parity.bitwise` compares shape, dtype and raw bits (the arrays viewed as
+# `parity.core.bitwise` compares shape, dtype and raw bits (the arrays viewed as
 # unsigned integers, so even `-0.0` vs `+0.0` and NaN payloads count).
 #
 # (A comparison that cannot be bitwise, such as the same model on two different
@@ -698,7 +702,7 @@ print('dropout: same masks on both sides for one key, new masks for the next ste
 # %% [markdown]
 # ## 8. A Linen checkpoint restored into NNX, and resuming
 #
-# Checkpoints are written with Orbax (`parity.checkpoints`, a thin layer over
+# Checkpoints are written with Orbax (`parity.store.checkpoints`, a thin layer over
 # `orbax.checkpoint.CheckpointManager`). Both sides write the **Linen layout**
 # (`step`, `params/params/...`, `opt_state/...`), plus the dropout base key, so a
 # resumed run continues the same key stream. One checkpoint restores into
@@ -793,10 +797,10 @@ print(compare_report['memory_verdict'], '|', compare_report['program_verdict'])
 #
 # | piece | what you write | where |
 # |---|---|---|
-# | **path rules** | nothing if NNX attributes are named as the Linen submodules; otherwise a rename of paths | `bridge.paths.map_paths`, `paths.flatten`, `paths.fill` |
+# | **path rules** | nothing if NNX attributes are named as the Linen submodules; otherwise a rename of paths | `parity.core.paths.map_paths`, `paths.flatten`, `paths.fill` |
 # | **layout rules** | an `AxisMove(prefix, linen_axis, nnx_axis)` per difference in stacking or axis order | `bridge.layout.Layout` |
-# | **spec rules** | your logical-name to mesh-axis rules, as a tuple of pairs | `bridge.specs.DEFAULT_RULES` is the template |
-# | **checks** | bitwise comparisons and drift reports in your tests | `parity.bitwise`, `bridge.specs`, `parity.tables` |
+# | **spec rules** | your logical-name to mesh-axis rules, as a tuple of pairs | `parity.core.specs.DEFAULT_RULES` is the template |
+# | **checks** | bitwise comparisons and drift reports in your tests | `parity.core.bitwise`, `parity.core.specs`, `bridge.tables` |
 #
 # **Path rules.** Take a small Linen model that relies on auto-names
 # (`Dense_0`, `Dense_1`) and its NNX port with descriptive attributes (`up`,
@@ -885,9 +889,9 @@ assert specs.physical_spec(('embed_vocab', 'vocab'), my_rules, mesh_sizes) != \
 # states need only your own functions:
 #
 # ```python
-# from bridge.stock import Renames
-# from parity.adapter import Pair
-# from parity.stock import StockLinen, StockNnx
+# from parity.pairs.stock_layout import Renames
+# from parity.pairs.adapter import Pair
+# from parity.pairs.stock import StockLinen, StockNnx
 #
 # def make_sides(mesh):
 #     return (StockLinen(my_linen.create_train_state, my_linen.train_step, my_linen.eval_step,
@@ -926,13 +930,13 @@ assert specs.physical_spec(('embed_vocab', 'vocab'), my_rules, mesh_sizes) != \
 #
 # | helper | use |
 # |---|---|
-# | `parity.bitwise.assert_bitwise_equal(a, b, what)` | any two pytrees (dicts, `nnx.State`, optax states): shape, dtype and raw bits of every leaf |
-# | `parity.bitwise.compare_trees(a, b)` | the same, returning the list of differing leaves (empty: equal) |
-# | `bridge.specs.check_no_drift(linen, nnx, what)` | `{path: spec}` dicts of the two sides: raises naming each parameter whose spec differs |
-# | `bridge.specs.check_same_shardings(linen, nnx, ndims)` | `{path: NamedSharding}` dicts: mesh, devices and partition spec |
-# | `bridge.specs.linen_logical_specs`, `nnx_logical_specs` | read the logical axes from a boxed Linen tree or an NNX `Param` state |
-# | `parity.tables.drift(linen_rows, nnx_rows, layout)` | human-readable lines for every parameter whose shape, dtype or spec differs |
-# | `bridge.paths.flatten`, `map_paths`, `fill` | `{path: array}` views, renames, strict refilling of a template |
+# | `parity.core.bitwise.assert_bitwise_equal(a, b, what)` | any two pytrees (dicts, `nnx.State`, optax states): shape, dtype and raw bits of every leaf |
+# | `parity.core.bitwise.compare_trees(a, b)` | the same, returning the list of differing leaves (empty: equal) |
+# | `parity.core.specs.check_no_drift(linen, nnx, what)` | `{path: spec}` dicts of the two sides: raises naming each parameter whose spec differs |
+# | `parity.core.specs.check_same_shardings(linen, nnx, ndims)` | `{path: NamedSharding}` dicts: mesh, devices and partition spec |
+# | `parity.core.specs.linen_logical_specs`, `nnx_logical_specs` | read the logical axes from a boxed Linen tree or an NNX `Param` state |
+# | `bridge.tables.drift(linen_rows, nnx_rows, layout)` | human-readable lines for every parameter whose shape, dtype or spec differs |
+# | `parity.core.paths.flatten`, `map_paths`, `fill` | `{path: array}` views, renames, strict refilling of a template |
 #
 # ## What you have now
 #

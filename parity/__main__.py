@@ -1,6 +1,6 @@
 """`python -m parity ...`: the same as the `parity` command."""
 import sys
 
-from parity.cli import main
+from parity.run.cli import main
 
 sys.exit(main())

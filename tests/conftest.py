@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from models.config import SCENARIOS, get_preset
-from parity.sides import make_sides
+from bridge.sides import make_sides
 from tests import tiers
 
 

@@ -14,7 +14,7 @@ import types
 import jax
 from flax import nnx
 
-from parity.stock import StockLinen, StockNnx
+from parity.pairs.stock import StockLinen, StockNnx
 
 DECAY = 0.75
 FIELDS = (('ema', 'ema_params'),)

@@ -16,14 +16,17 @@ import functools
 
 import jax
 
-from bridge import specs
+from parity.core import specs
 from bridge import train_state as bridge_state
 from models import data, rng
 from models.config import SCENARIOS, ModelConfig, TrainConfig, get_configs
-from parity import distributed, programs, runner
-from parity.programs import sharding_annotations
-from parity.runner import CompareResult, run_compare
-from parity.sides import make_sides
+from parity.procs import distributed
+from parity.compare import programs
+from parity.run import runner
+from parity.compare.programs import sharding_annotations
+from bridge.reference import run_compare
+from parity.run.runner import CompareResult
+from bridge.sides import make_sides
 
 STEPS = 10
 MESH_STEPS = 3
@@ -122,7 +125,7 @@ def train_on_mesh(
   if mesh is not None:  # as `parity compare` places it (one array over the mesh, as restored)
     base = distributed.replicated(base, mesh)
   # The batches placed, the steps compiled and run as `parity compare` does
-  # (parity/runner.py): what these tests check is the program it runs.
+  # (parity/run/runner.py): what these tests check is the program it runs.
   batches = [linen.place_batch(data.make_batch(model_cfg, train_cfg, s)) for s in range(steps)]
   compiled = [
       runner.compile_step(side, state, batches[0], base)

@@ -2,7 +2,7 @@
 
 The physical annotations of the lowered programs (tests/test_sharding.py)
 cannot tell two logical names apart when the rules map both to one mesh
-axis; these tables can (parity/activations.py). Per scenario the two sides
+axis; these tables can (parity/compare/activations.py). Per scenario the two sides
 apply the same constraints, in the same program order, from the same model
 methods, with the same logical names and the same physical specs on the
 3-axis mesh; the `default` preset's table is a text golden.
@@ -11,10 +11,10 @@ import functools
 
 import pytest
 
-from bridge import specs
+from parity.core import specs
 from models.config import SCENARIOS, get_configs, get_preset
-from parity import activations
-from parity.sides import abstract_step_inputs, make_sides
+from parity.compare import activations
+from bridge.sides import abstract_step_inputs, make_sides
 from tests.golden import check_golden
 
 THREE_AXES = specs.parse_mesh_spec('data=2,fsdp=2,tensor=2')
@@ -85,7 +85,7 @@ def test_a_constraint_one_side_lacks_is_one_line_not_a_shift_of_the_later_ones()
 @pytest.mark.exhaustive
 @pytest.mark.xdist_group('01_baseline')  # its sides and start are that scenario's
 def test_the_battery_names_a_constraint_renamed_on_one_side(monkeypatch):
-  """The plugin's specs part reads activation constraints too (parity.battery.check_specs).
+  """The plugin's specs part reads activation constraints too (parity.battery.checks.check_specs).
 
   The NNX decoder's residual stream constrained by `activation_mlp` instead
   of `activation_embed`: no number changes, and under the default rules no
@@ -95,8 +95,8 @@ def test_the_battery_names_a_constraint_renamed_on_one_side(monkeypatch):
 
   from models import data
   from models.nnx import decoder as nnx_decoder
-  from parity import battery
-  from parity.adapter import Pair
+  from parity.battery import checks as battery
+  from parity.pairs.adapter import Pair
 
   def pair(name, model_cfg, train_cfg):
     return Pair(

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parity.bitwise import assert_bitwise_equal, compare_trees, raw_bits
+from parity.core.bitwise import assert_bitwise_equal, compare_trees, raw_bits
 
 
 def _large_tree():
@@ -81,7 +81,7 @@ def test_equal_trees_pass():
 
 def test_typed_prng_keys_compare_by_key_type_shape_and_key_data():
   """NNX's `RngKey` holds a typed key array, which numpy cannot hold: its key data is compared."""
-  from parity.bitwise import digest
+  from parity.core.bitwise import digest
 
   key = jax.random.key(0)
   assert compare_trees({'k': key}, {'k': jax.random.key(0)}) == []

@@ -3,11 +3,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bridge import paths
+from parity.core import paths
 from bridge import train_state as bridge_state
-from bridge.errors import TreeMismatchError
+from parity.core.errors import TreeMismatchError
 from bridge.layout import AxisMove, Layout
-from parity.bitwise import assert_bitwise_equal
+from parity.core.bitwise import assert_bitwise_equal
 
 
 @pytest.fixture(scope='module')
@@ -126,8 +126,8 @@ def test_a_boxed_linen_state_flattens_as_its_arrays_and_refills_boxed():
   from flax.core import meta
   from flax.training import train_state
 
-  from bridge import paths
-  from bridge import stock as bridge_stock
+  from parity.core import paths
+  from parity.pairs import stock_layout as bridge_stock
 
   dense = nn.Dense(4, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ('embed', 'mlp')))
   params = dense.init(jax.random.key(0), jnp.ones((1, 3)))['params']
@@ -156,7 +156,7 @@ def test_stock_moments_of_nested_same_named_modules_keep_their_paths():
   import optax
   from flax import nnx
 
-  from bridge import stock as bridge_stock
+  from parity.pairs import stock_layout as bridge_stock
 
   class Enc(nnx.Module):
     def __init__(self, rngs):
@@ -189,7 +189,7 @@ def test_an_optimizer_attribute_that_is_one_variable_is_the_field_itself():
   import optax
   from flax import nnx
 
-  from bridge import stock as bridge_stock
+  from parity.pairs import stock_layout as bridge_stock
 
   model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
@@ -209,7 +209,7 @@ def test_a_variable_type_with_no_linen_collection_is_named_with_its_path():
   import optax
   from flax import nnx
 
-  from bridge import stock as bridge_stock
+  from parity.pairs import stock_layout as bridge_stock
 
   class Counter(nnx.Variable):
     pass
@@ -239,7 +239,7 @@ def test_state_only_the_nnx_side_has_is_left_out_of_the_layout_and_filled_back()
   import optax
   from flax import nnx
 
-  from bridge import stock as bridge_stock
+  from parity.pairs import stock_layout as bridge_stock
 
   class Model(nnx.Module):
     def __init__(self, rngs):

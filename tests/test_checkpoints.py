@@ -27,14 +27,14 @@ import jax
 import numpy as np
 import pytest
 
-from bridge import specs
-from bridge.errors import TreeMismatchError
-from bridge import paths
+from parity.core import specs
+from parity.core.errors import TreeMismatchError
+from parity.core import paths
 from models import data, rng
 from models.config import get_configs, replace
-from parity import checkpoints as ck
-from parity.bitwise import assert_bitwise_equal
-from parity.sides import as_jax_batch, make_sides
+from parity.store import checkpoints as ck
+from parity.core.bitwise import assert_bitwise_equal
+from bridge.sides import as_jax_batch, make_sides
 
 # Same worker as 06_grad_accum's other tests: its compiled steps are shared.
 pytestmark = pytest.mark.xdist_group('06_grad_accum')

@@ -9,9 +9,10 @@ import shlex
 
 import pytest
 
-from bridge.specs import parse_mesh_spec
+from parity.core.specs import parse_mesh_spec
 from models.config import PRESETS, SCENARIOS
-from parity import cli, xla_env
+from parity.run import cli
+from parity.env import xla_env
 
 DESIGN_TABLE = {
     'params/params/decoder/decoder_norm/scale': ([2048], ['norm'], [None]),
@@ -41,7 +42,7 @@ def test_specs_json_reproduces_the_design_table(capsys):
 
 
 def test_specs_activations_json_matches_the_golden_and_the_seed_logs(capsys):
-  from parity import activations
+  from parity.compare import activations
   from tests.golden import GOLDEN_DIR
 
   args = ['specs', '--activations', '--preset', 'default', '--mesh', 'fsdp=8']
@@ -98,7 +99,8 @@ def test_compare_reports_bit_identical(capsys, tmp_path):
 @pytest.mark.exhaustive
 def test_compare_exits_1_and_says_where_the_sides_diverge(capsys, monkeypatch, tmp_path):
   """The NNX side receives a state with the embedding nudged: a real divergence at step 0."""
-  from parity import runner
+  from bridge import reference
+  from parity.run import runner
 
   class Nudged:
     """The NNX side, receiving the state with its embedding scaled by 1.01."""
@@ -113,9 +115,9 @@ def test_compare_exits_1_and_says_where_the_sides_diverge(capsys, monkeypatch, t
       path = 'params/params/token_embedder/embedding'
       return self._side.from_checkpoint({**flat, path: flat[path] * 1.01})
 
-  sides_for = runner.sides_for
+  sides_for = reference.sides_for
   monkeypatch.setattr(
-      runner, 'sides_for', lambda *a: (lambda l, n: (l, Nudged(n)))(*sides_for(*a))
+      reference, 'sides_for', lambda *a: (lambda l, n: (l, Nudged(n)))(*sides_for(*a))
   )
   report = tmp_path / 'report.json'
   assert cli.main(['compare', '--steps', '2', '--json', str(report)]) == 1
@@ -176,7 +178,8 @@ def test_readme_parity_commands_parse_with_valid_values():
 
 def test_compare_out_of_memory_is_one_line_exit_2(capsys, monkeypatch):
   """An XLA out-of-memory error: one line naming the preset and the bytes asked for, exit 2."""
-  from parity import runner
+  from bridge import reference
+  from parity.run import runner
 
   def exhausted(*args, **kwargs):
     raise RuntimeError(
@@ -184,7 +187,7 @@ def test_compare_out_of_memory_is_one_line_exit_2(capsys, monkeypatch):
         'BufferAssignment OOM Debugging. ...'
     )
 
-  monkeypatch.setattr(runner, 'run_compare', exhausted)
+  monkeypatch.setattr(reference, 'run_compare', exhausted)
   assert cli.main(['compare', '--preset', 'default', '--steps', '1']) == 2
   err = capsys.readouterr().err
   assert err.count('\n') == 1 and 'Traceback' not in err
@@ -203,7 +206,9 @@ def test_compare_of_a_pair_refuses_the_decoders_options(option, capsys):
 
 def test_compare_of_a_batch_the_mesh_cannot_split_is_a_usage_error(monkeypatch, capsys):
   """Exit 2 with the side's one-line message, not a traceback from inside jax."""
-  from parity import adapter, runner
+  from parity.pairs import adapter
+  from bridge import reference
+  from parity.run import runner
 
   def unsplittable(*args, **kwargs):
     raise adapter.BatchError("batch entry 'images' (float32[6, 8, 8, 3]) has 6 rows: ...")
@@ -216,12 +221,13 @@ def test_compare_of_a_batch_the_mesh_cannot_split_is_a_usage_error(monkeypatch, 
 
 
 def test_compare_other_errors_are_not_called_out_of_memory(monkeypatch):
-  from parity import runner
+  from bridge import reference
+  from parity.run import runner
 
   def broken(*args, **kwargs):
     raise RuntimeError('INTERNAL: something else')
 
-  monkeypatch.setattr(runner, 'run_compare', broken)
+  monkeypatch.setattr(reference, 'run_compare', broken)
   with pytest.raises(RuntimeError, match='something else'):
     cli.main(['compare', '--steps', '1'])
 
@@ -275,7 +281,7 @@ def test_compare_of_a_pair_whose_states_differ_exits_1_naming_every_path(monkeyp
   before anything is compiled; no traceback, and no report that would look complete."""
   import dataclasses
 
-  from bridge.stock import Renames
+  from parity.pairs.stock_layout import Renames
   from tests import test_family_classifier as classifier
 
   def sides(mesh):
@@ -300,8 +306,8 @@ def test_compare_resuming_a_checkpoint_of_other_state_exits_2_naming_every_path(
   which has no logits_dense): bad input, each path named, no traceback."""
   from models import rng
   from models.config import get_configs
-  from parity import checkpoints
-  from parity.sides import make_sides
+  from parity.store import checkpoints
+  from bridge.sides import make_sides
 
   side, _ = make_sides(*get_configs('tiny', '01_baseline'))
   manager = checkpoints.open_manager(str(tmp_path))
@@ -332,7 +338,7 @@ def test_a_pair_file_defining_a_dataclass_loads(tmp_path):
   pair_file.write_text(
       'from __future__ import annotations\n'
       'import dataclasses\n'
-      'from parity.adapter import Pair\n'
+      'from parity.pairs.adapter import Pair\n'
       '@dataclasses.dataclass\n'
       'class State:\n'
       '  ema: int = 0\n'
@@ -359,7 +365,7 @@ def test_a_pair_file_imports_its_sibling_modules_as_under_pytest(package, tmp_pa
   importer = f'from pkg_for_pair.{name} import NAME' if package else f'from {name} import NAME'
   (where / 'test_my_pair.py').write_text(
       f'{importer}\n'
-      'from parity.adapter import Pair\n'
+      'from parity.pairs.adapter import Pair\n'
       'pair = Pair(NAME, lambda mesh: None, lambda step, split="train": {})\n'
   )
   for module in (name, f'pkg_for_pair.{name}', 'pkg_for_pair'):
@@ -420,7 +426,7 @@ def test_compare_of_a_pair_whose_side_lacks_part_of_the_protocol_is_bad_input(mo
   monkeypatch.setattr(cli, '_load_pair', lambda spec: dataclasses.replace(classifier.classifier, make_sides=sides))
   assert cli.main(['compare', '--pair', 'any.py:classifier', '--steps', '1']) == 2
   err = capsys.readouterr().err
-  assert 'parity: error: classifier: the NNX side (NoSpecs) lacks param_specs of parity.adapter.Side' in err, err
+  assert 'parity: error: classifier: the NNX side (NoSpecs) lacks param_specs of parity.pairs.adapter.Side' in err, err
   assert 'Traceback' not in err
 
 

@@ -1,7 +1,7 @@
 """A side traces each of its steps once per process, however often it is called.
 
 The suite's warm time rests on it: tests share a side's jitted functions
-(`parity.sides.make_sides`, and the models' `make_*_step` functions cached per
+(`bridge.sides.make_sides`, and the models' `make_*_step` functions cached per
 config), and jax's persistent cache spares only the compile, not the tracing
 and lowering before it (0.1 to 0.3 s a call on the tiny preset). With
 `functools.cache` taken off `models/linen/train.py`'s `make_eval_step`, the
@@ -14,7 +14,7 @@ import pytest
 
 from models import data, rng
 from models.config import get_configs
-from parity.sides import as_jax_batch
+from bridge.sides import as_jax_batch
 from tests.runs import start
 
 TRACE_EVENT = '/jax/core/compile/jaxpr_trace_duration'

@@ -34,15 +34,15 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from bridge import paths
+from parity.core import paths
 from bridge import train_state
 from models import rng
 from models.config import get_configs, replace
-from parity import checkpoints as ck
-from parity import cli
-from parity import convert
-from parity.bitwise import assert_bitwise_equal
-from parity.sides import make_sides
+from parity.store import checkpoints as ck
+from parity.run import cli
+from parity.store import convert
+from parity.core.bitwise import assert_bitwise_equal
+from bridge.sides import make_sides
 
 pytestmark = pytest.mark.xdist_group('convert')
 
@@ -406,7 +406,8 @@ def test_dst_not_writable(source, unwritable_dir, capsys):
 _PAUSING_CONVERT = textwrap.dedent("""
     import signal, sys, time
     sys.path.insert(0, {repo!r})
-    from parity import cli, convert
+    from parity.run import cli
+    from parity.store import convert
     read_box, reads = convert._read_box, []
     def pausing_read_box(*args):
       reads.append(1)
@@ -685,7 +686,7 @@ def test_a_swap_that_cannot_put_the_old_dst_back_says_where_it_is(tmp_path, caps
 _SIGNALLED_SWAP = textwrap.dedent("""
     import os, shutil, signal, sys
     sys.path.insert(0, {repo!r})
-    from parity import cli
+    from parity.run import cli
     when = sys.argv.pop(1)
     rename, rmtree, sent = os.rename, shutil.rmtree, []
     def signal_once():
@@ -751,7 +752,7 @@ _SMALL_FILES = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
-    from parity import cli
+    from parity.run import cli
     sys.exit(cli.main(sys.argv[1:]))
 """)
 

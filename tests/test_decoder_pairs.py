@@ -1,7 +1,7 @@
 """The reference decoder declared through the plugin, one pair per scenario.
 
-The plugin's battery (parity/battery.py) runs on the decoder's sides
-(parity/sides.py, which implement the adapter's `Side`): structure, logical
+The plugin's battery (parity/battery/checks.py) runs on the decoder's sides
+(bridge/sides.py, which implement the adapter's `Side`): structure, logical
 specs, loss and gradients, training from each side's init, eval, Orbax round
 trips in four directions and resume across sides; the localizer on a scanned
 and an unscanned scenario. What is specific to the decoder stays in its own
@@ -20,8 +20,8 @@ import functools
 
 from models import data
 from models.config import SCENARIOS, get_configs
-from parity.adapter import Pair
-from parity.sides import make_sides
+from parity.pairs.adapter import Pair
+from bridge.sides import make_sides
 
 STEPS = 10  # as the runner's side-by-side runs (tests/runs.py)
 PARTS = ('structure', 'specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume')

@@ -1,7 +1,7 @@
 """The `tiny` preset in every scenario: logits, loss, gradients and eval, bit for bit.
 
 One side is initialised and its state carried to the other by the bridge.
-Every comparison is bitwise (parity.bitwise), no tolerance. The 10-step
+Every comparison is bitwise (parity.core.bitwise), no tolerance. The 10-step
 training runs (both init directions, final parameters and optimizer state)
 and the spec tables of every scenario are in test_scenarios.py; here are the
 pieces a training run is made of, so a divergence is found where it starts.
@@ -20,8 +20,8 @@ import pytest
 
 from models import data, rng
 from models.config import SCENARIOS, get_configs
-from parity.bitwise import assert_bitwise_equal
-from parity.sides import as_jax_batch
+from parity.core.bitwise import assert_bitwise_equal
+from bridge.sides import as_jax_batch
 from tests.runs import start
 
 SCENARIO_NAMES = sorted(SCENARIOS)

@@ -22,13 +22,13 @@ import jax
 import numpy as np
 import pytest
 
-from bridge.stock import Renames
+from parity.pairs.stock_layout import Renames
 from models.families import ClassifierConfig, classifier_batch
 from models.linen import classifier as linen_classifier
 from models.nnx import classifier as nnx_classifier
-from parity import runner
-from parity.adapter import KnownDifference, Pair
-from parity.stock import StockLinen, StockNnx
+from parity.run import runner
+from parity.pairs.adapter import KnownDifference, Pair
+from parity.pairs.stock import StockLinen, StockNnx
 from tests import ema
 
 CFG = ClassifierConfig()
@@ -109,7 +109,7 @@ def test_a_declared_program_difference_covers_only_its_modules():
 def test_a_program_over_its_declared_bound_says_where_it_differs(paths, where):
   """Over the bound, the failure says whether the declared modules alone changed more
   (a bound to revisit) or the program differs outside them as well (a bug to find)."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   tight = dataclasses.replace(BATCH_NORM_PROGRAM, paths=paths, max_changed_lines=10)
   with pytest.raises(AssertionError, match='over|differ') as e:
@@ -126,7 +126,7 @@ def test_a_program_over_its_declared_bound_says_where_it_differs(paths, where):
 @pytest.mark.xdist_group('parity-classifier')
 def test_the_memory_check_fails_when_nothing_is_measured(monkeypatch):
   """A backend without XLA's memory analysis gives no fields: the check says so, never passes."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   battery.check_memory(classifier)  # measured here: passes
   monkeypatch.setattr(runner, 'memory_of', lambda executable, device: {})
@@ -135,7 +135,7 @@ def test_the_memory_check_fails_when_nothing_is_measured(monkeypatch):
 
 
 def test_a_mesh_of_another_device_count_says_how_to_get_the_devices(monkeypatch):
-  from parity import battery
+  from parity.battery import checks as battery
 
   with pytest.raises(ValueError, match=r"needs 4 devices, but 8 are available\. .*device_count=N") as e:
     battery._Runs(classifier).sides('data=4')
@@ -155,7 +155,7 @@ def test_a_declared_ulp_bound_does_not_cover_integers():
   failure naming it, not a crash of the ULP measure."""
   import numpy as np
 
-  from parity import battery
+  from parity.battery import checks as battery
 
   declared = KnownDifference(('count', 'w'), ('train',), 'test', max_ulp=4)
   pair = dataclasses.replace(classifier, known_differences=(declared,))
@@ -174,7 +174,7 @@ def test_a_differing_scalar_is_listed_before_the_arrays_it_explains():
   more arrays differ than the message shows (50)."""
   import numpy as np
 
-  from parity import battery
+  from parity.battery import checks as battery
 
   a = {f'params/layer_{i:02d}/w': np.zeros(3, np.float32) for i in range(60)}
   b = {k: np.ones(3, np.float32) for k in a}
@@ -193,7 +193,7 @@ def test_a_differing_scalar_is_listed_before_the_arrays_it_explains():
 @pytest.mark.xdist_group('parity-classifier')
 def test_parameters_flattened_in_one_order_get_no_order_hint():
   """conv1, bn1, ... sort as Conv_0, BatchNorm_0, ... do: nothing to say."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   assert battery._runs(classifier).parameter_order_lines() == []
 
@@ -201,8 +201,8 @@ def test_parameters_flattened_in_one_order_get_no_order_hint():
 def test_a_batch_the_mesh_cannot_split_is_a_clear_error():
   """A batch of 6 rows on `data=8`: the error names the entry, its rows and the ways out,
   before jax's own error from inside device_put."""
-  from bridge import specs
-  from parity.adapter import BatchError
+  from parity.core import specs
+  from parity.pairs.adapter import BatchError
 
   linen, nnx_side = make_sides(CFG, specs.make_mesh('data=8'))
   batch = {k: v[:6] for k, v in classifier_batch(CFG, 0, 'train').items()}
@@ -217,7 +217,7 @@ def test_a_batch_the_mesh_cannot_split_is_a_clear_error():
 def test_a_structure_mismatch_is_a_failure_naming_every_path():
   """A rename rule missing (the head): the structure part fails as an assertion, naming the
   paths on both sides, not with the bridge's TreeMismatchError from inside the tool."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   def make_broken(mesh):
     linen, nnx_side = make_sides(CFG, mesh)
@@ -252,7 +252,7 @@ def test_a_metric_returned_as_another_dtype_is_not_blamed_on_the_update():
   """Linen's step counter is int32, nnx.Optimizer's uint32: a counter returned as a metric
   differs in dtype with equal numbers. The localizer, finding both passes bitwise, says
   so, instead of pointing at the optimizer update."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   def make_counted(mesh):
     linen, nnx_side = make_sides(CFG, mesh)
@@ -271,7 +271,7 @@ def test_a_metric_returned_as_another_dtype_is_not_blamed_on_the_update():
 def test_another_initialiser_fails_the_init_part():
   """NNX's head initialised 4 times larger (a lost 1/sqrt(fan_in)) and its bias with ones:
   both named, the kernel by its distribution, the bias bit for bit (it is constant)."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   def make_misinitialised(mesh):
     linen, nnx_side = make_sides(CFG, mesh)
@@ -306,8 +306,8 @@ def test_an_optimizer_holding_more_than_the_stock_one_is_named_once():
   import jax.numpy as jnp
   from flax import nnx
 
-  from bridge import stock
-  from bridge.errors import TreeMismatchError
+  from parity.pairs import stock_layout as stock
+  from parity.core.errors import TreeMismatchError
 
   model, optimizer = nnx_classifier.create_train_state(CFG, 0)
   optimizer.ema = nnx.data({'head': nnx.Variable(jnp.zeros(2)), 'conv1': nnx.Variable(jnp.ones(2))})
@@ -319,7 +319,7 @@ def test_an_optimizer_holding_more_than_the_stock_one_is_named_once():
       ' stock NNX side carries those alone; an optimizer attribute holding more, such as EMA copies'
       ' of the parameters or a loss scale, is declared with the train-state field it is stored in'
       " (StockNnx(optimizer_fields=(('ema', '<the TrainState field>'),))); other state needs a side"
-      ' of its own (parity.adapter.Side)')
+      ' of its own (parity.pairs.adapter.Side)')
 
 
 def _ema_sides(mesh, fields=ema.FIELDS):
@@ -333,7 +333,7 @@ def test_an_optimizer_attribute_declared_with_its_field_is_carried_bit_for_bit()
   parameters), both ways, and two steps from either side's start agree bit for bit,
   the EMA included, as does an eval of the EMA (the NNX eval step given the optimizer);
   declared under another field, the structures differ by it."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   pair = Pair('ema', _ema_sides, functools.partial(classifier_batch, CFG), steps=2)
   battery.check_structure(pair)
@@ -453,7 +453,7 @@ def test_optimizer_state_that_does_not_mirror_the_parameters_is_carried_bit_for_
   TrainState's `dynamic_scale/scale`, both ways; four steps from either side's start,
   the first skipped for its infinite gradients, agree bit for bit, scale and count
   included, and so do a checkpoint round trip into the other side and a resume there."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   pair = Pair('dynamic_scale', _scaled_sides, _scaled_batch, steps=4)
   battery.check_structure(pair)
@@ -513,7 +513,7 @@ def test_the_eval_part_compares_the_eval_steps_from_one_state_first():
   """An eval step that differs fails from one state, whatever the training did; a train step
   that differs (another dropout rate: eval has dropout off) leaves the eval steps equal from
   one state, and the eval part says the trained states differ instead."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   with pytest.raises(AssertionError, match=r"eval_differs: eval metrics from one state \(the Linen run's after 1"
                      r' steps\) are not bit-identical: 1 leaf/leaves differ[\s\S]*\bloss: bits'):
@@ -542,7 +542,7 @@ class _ScaledGrads:
 def test_a_grads_failure_whose_probes_agree_blames_value_and_grads_not_the_update():
   """The grads part has no update: when both probes agree, what differs is the sides'
   `value_and_grads` themselves, and the localizer says so."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   def sides(mesh):
     linen, nnx_side = make_sides(CFG, mesh)
@@ -559,8 +559,8 @@ def test_a_grads_failure_whose_probes_agree_blames_value_and_grads_not_the_updat
 def test_every_part_that_runs_a_state_stops_at_a_structure_that_differs():
   """A rename rule left out: the structure part names every path, and the parts that carry a
   state across say so in one message instead of failing inside the sides' own code."""
-  from bridge.stock import Renames
-  from parity import battery
+  from parity.pairs.stock_layout import Renames
+  from parity.battery import checks as battery
 
   def sides(mesh):
     linen, nnx_side = make_sides(CFG, mesh)
@@ -603,7 +603,7 @@ def test_a_dropout_drawing_from_a_stream_kept_in_the_nnx_model_is_named_with_the
   """Stock dropout on both sides, NNX's drawing from its stream: the masks differ from the
   first step; the localizer names the dropout module, and says that it holds a stream Linen
   has not and how the classifier family makes the masks equal."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   pair = Pair('rng_stream_drawn', _drawing_sides, functools.partial(classifier_batch, CFG),
               known_differences=(BATCH_NORM_PROGRAM,), parts=('structure', 'grads'))
@@ -629,9 +629,9 @@ def test_an_rng_stream_kept_in_the_nnx_model_is_carried_outside_the_comparison()
   a state made from a checkpoint takes it as `create(0)` makes it. The programs, memory and
   sharding annotations are compared as they are: the NNX step carries the stream in and
   out (12 bytes with threefry keys; on a mesh, after the numbers there, which are bit-identical)."""
-  from bridge import paths
-  from parity import battery
-  from parity.bitwise import assert_bitwise_equal
+  from parity.core import paths
+  from parity.battery import checks as battery
+  from parity.core.bitwise import assert_bitwise_equal
 
   pair = Pair('rng_stream', _stream_sides, functools.partial(classifier_batch, CFG),
               known_differences=(BATCH_NORM_PROGRAM,))

@@ -24,13 +24,13 @@ import functools
 
 import pytest
 
-from bridge import specs
-from bridge.stock import Renames
+from parity.core import specs
+from parity.pairs.stock_layout import Renames
 from models.families import ENCODER_RULES, EncoderConfig, encoder_batch
 from models.linen import encoder as linen_encoder
 from models.nnx import encoder as nnx_encoder
-from parity.adapter import KnownDifference, Pair
-from parity.stock import StockLinen, StockNnx
+from parity.pairs.adapter import KnownDifference, Pair
+from parity.pairs.stock import StockLinen, StockNnx
 from tests import ema
 
 CFG = EncoderConfig()
@@ -125,7 +125,7 @@ encoder_stock_attention = Pair(
 def test_the_encoders_activation_constraints_are_compared():
   """Not vacuous: each side constrains the embedding's output, each layer's MLP hidden
   units and its output; the backward pass constrains their cotangents alike."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   (line,) = battery.check_specs(encoder)
   forward = 1 + 2 * CFG.num_layers
@@ -136,7 +136,7 @@ def test_the_encoders_activation_constraints_are_compared():
 def test_an_activation_name_the_rules_do_not_know_fails_the_specs_part():
   """flax leaves a logical name its rules do not know unsharded on both sides, which
   would compare as equal: the specs part names it instead (here the rules lack `mlp`)."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   rules = tuple(r for r in ENCODER_RULES if r[0] != 'mlp')
   with pytest.raises(ValueError, match=r"logical axes the rules do not know: \['mlp'\]"):
@@ -148,7 +148,7 @@ def test_parameters_flattened_in_another_order_are_named():
   """The encoder's NNX attributes sort otherwise than Linen's module names (`embed` first,
   `Dense_0` first): harmless with its optimizer, but a reduction over every leaf
   (optax.clip_by_global_norm) would round differently, so a failing update names it."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   (line,) = battery._runs(encoder).parameter_order_lines()
   assert line.startswith('the sides flatten their parameters in different orders (parameter 0:'
@@ -175,7 +175,7 @@ def test_a_parameter_placed_otherwise_on_one_side_fails_the_mesh_part_by_its_pla
   so the numbers differ too (asserted below, so the order matters). The
   failure must still name the placement, which is the cause.
   """
-  from parity import battery
+  from parity.battery import checks as battery
 
   pair = dataclasses.replace(
       encoder, name='encoder_nnx_mlp_replicated',
@@ -203,7 +203,7 @@ def test_numbers_that_differ_on_a_mesh_name_the_sharding_annotations_that_differ
   rules split over `tensor`, for Linen's `embed`, replicated): the parameters sit alike, the
   numbers differ, and the failure names the annotations that differ with them, the likely cause."""
   from models.nnx import encoder as nnx_encoder_module
-  from parity import battery
+  from parity.battery import checks as battery
 
   axes = dict(nnx_encoder_module.ENCODER_ACTIVATION_AXES, hidden=('batch', 'length', 'mlp'))
   monkeypatch.setattr(nnx_encoder_module, 'ENCODER_ACTIVATION_AXES', axes)
@@ -220,7 +220,7 @@ def test_numbers_that_differ_on_a_mesh_name_the_sharding_annotations_that_differ
 def test_parameters_both_sides_replicate_against_the_rules_are_named_by_the_mesh_parts_rule_check():
   """Sides that agree with each other can both ignore the logical axes: each
   parameter is checked against what the pair's rules make of its axes."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   mesh = specs.make_mesh(MESH)
   placed = []
@@ -249,7 +249,7 @@ def test_an_optimizer_attribute_is_placed_and_carried_on_a_mesh_by_its_logical_a
   from the values alone has none: the EMA is then replicated on that side, and the mesh
   part names each such leaf. With each copy keeping its parameter's metadata, training
   on the mesh is bitwise, the EMA included."""
-  from parity import battery
+  from parity.battery import checks as battery
 
   def pair(keep_metadata):
     return Pair(f'encoder_ema_{keep_metadata}', functools.partial(_ema_sides, keep_metadata),

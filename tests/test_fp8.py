@@ -19,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import compat, data, rng
+from models import data, rng
+from parity.core import compat
 from models.config import get_configs, replace
 from models.linen import train as linen_train
 from models.nnx import train as nnx_train
-from parity.bitwise import assert_bitwise_equal, raw_bits
-from parity.sides import as_jax_batch, make_sides
+from parity.core.bitwise import assert_bitwise_equal, raw_bits
+from bridge.sides import as_jax_batch, make_sides
 from tests.golden import GOLDEN_DIR
 from tests.runs import start
 

@@ -1,9 +1,9 @@
-"""The garbage collector's thresholds (parity/gc_tuning.py)."""
+"""The garbage collector's thresholds (parity/env/gc_tuning.py)."""
 import gc
 
 import pytest
 
-from parity import gc_tuning
+from parity.env import gc_tuning
 
 
 @pytest.fixture

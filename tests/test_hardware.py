@@ -7,7 +7,7 @@ mesh and train a few steps from one state (on a GPU with rematerialisation,
 scenario `04_remat`), bitwise across sides; a
 checkpoint saved by one side is restored by the other. On a GPU the suite
 has set `--xla_gpu_deterministic_ops=true` before jax started (conftest.py,
-parity/xla_env.py); without it XLA:GPU may reorder sums from run to run.
+parity/env/xla_env.py); without it XLA:GPU may reorder sums from run to run.
 
 Elsewhere these tests are skipped with a reason, unless `--hardware-on-cpu`
 is given: then the same tests run on the 8 CPU devices with the tiny preset
@@ -24,10 +24,11 @@ import jax
 import numpy as np
 import pytest
 
-from bridge import specs
+from parity.core import specs
 from models.config import get_configs
-from parity import bitwise, checkpoints
-from parity.sides import as_jax_batch, make_sides
+from parity.core import bitwise
+from parity.store import checkpoints
+from bridge.sides import as_jax_batch, make_sides
 from models import data, rng
 from tests.runs import MESH_STEPS, mesh_run, train_on_mesh
 

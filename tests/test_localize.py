@@ -18,9 +18,9 @@ import pytest
 from flax import nnx
 from flax.training import train_state
 
-from bridge.stock import Renames
-from parity import localize
-from parity.stock import StockLinen, StockNnx
+from parity.pairs.stock_layout import Renames
+from parity.compare import localize
+from parity.pairs.stock import StockLinen, StockNnx
 
 FEATURES = (8, 8, 4)
 
@@ -167,7 +167,7 @@ def test_backward_breaks_at_one_depth_are_named_in_the_backward_pass_order():
 def test_module_calls_in_another_order_are_named():
   """A rename rule that maps an NNX module to another Linen path (two layer norms swapped)
   shows as calls in another order; the same order says nothing."""
-  from parity import adapter
+  from parity.pairs import adapter
 
   def probe(order):
     return adapter.Probe(order=order, inputs={}, outputs={k: jnp.zeros(3) for k in order},
@@ -249,8 +249,8 @@ def _family_localization(module_file, cfg, broken_create=None, pair_name=None):
   """Localize a family pair, its NNX side built by `broken_create` (None: the pair as declared)."""
   import functools
 
-  from parity import battery
-  from parity.adapter import Pair
+  from parity.battery import checks as battery
+  from parity.pairs.adapter import Pair
 
   if pair_name is not None:
     pair = getattr(module_file, pair_name)
@@ -316,8 +316,8 @@ def test_a_training_divergence_is_localized_at_its_first_divergent_step():
   Both passes are bitwise there, so it says the update differs, rather than
   localizing step 0, where nothing differs yet.
   """
-  from parity import battery
-  from parity.adapter import Pair
+  from parity.battery import checks as battery
+  from parity.pairs.adapter import Pair
   from tests import test_family_classifier as family
 
   def make_sides(mesh):
@@ -340,7 +340,7 @@ def test_a_training_divergence_is_localized_at_its_first_divergent_step():
 
 
 def test_the_first_divergent_step_is_the_first_whose_train_metrics_differ_in_a_bit():
-  from parity.battery import first_divergent_step
+  from parity.battery.checks import first_divergent_step
 
   steps = lambda *losses, tokens=4: [{'loss': jnp.float32(x), 'tokens': jnp.int32(tokens)} for x in losses]
   ones = steps(1.0, 1.0, 1.0)

@@ -2,7 +2,7 @@
 
 Each bug is planted by replacing one NNX layer's `__call__` for the test
 (monkeypatch), with a training config of its own so that no compiled
-function of another test is reused. `parity.runner.run_compare` trains both
+function of another test is reused. `bridge.reference.run_compare` trains both
 sides, finds the first divergent step and runs the localizer on it; the
 layers are scanned, so the localizer probes the unscanned twin of the same
 state and reports the stack's path with the layer index.
@@ -15,7 +15,9 @@ import pytest
 
 from models.config import get_configs, replace
 from models.nnx import layers as nnx_layers
-from parity import report, runner
+from parity.run import report
+from parity.run import runner
+from bridge import reference
 
 pytestmark = pytest.mark.xdist_group('localize-decoder')
 
@@ -39,7 +41,7 @@ def _mlp_with_the_gate_swapped(self, x_BLE):
 
 def _run(seed: int):
   model_cfg, train_cfg = get_configs('tiny', '01_baseline')
-  return runner.run_compare(model_cfg, replace(train_cfg, seed=seed), steps=2, program_diff=False)
+  return reference.run_compare(model_cfg, replace(train_cfg, seed=seed), steps=2, program_diff=False)
 
 
 @pytest.mark.exhaustive

@@ -3,8 +3,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from parity import map_limit
-from parity.bitwise import assert_bitwise_equal
+from parity.env import map_limit
+from parity.core.bitwise import assert_bitwise_equal
 
 pytestmark = pytest.mark.skipif(
     map_limit.map_count() is None, reason='no /proc/self/maps: not Linux, no map limit to guard'
@@ -89,7 +89,8 @@ def test_the_guard_clears_above_the_threshold(monkeypatch):
 
 PATCHED_COUNT = """
 import jax
-from parity import map_limit, plugin
+from parity.env import map_limit
+from parity.battery import plugin
 
 CLEARED = []
 

@@ -1,6 +1,6 @@
 """Multi-process runs on this machine, as on a pod: 2 processes x 4 CPU devices.
 
-Every run is `parity compare` started as subprocesses (parity/launcher.py):
+Every run is `parity compare` started as subprocesses (parity/procs/launcher.py):
 a loopback coordinator, gloo collectives, each process building only its
 rows of every batch. Measured here (tiny preset, mesh data=2,fsdp=4):
 
@@ -30,12 +30,12 @@ a warm 2-process run alone took 9.4 and 10.0 s with that flag, 10.7 and
 The comparisons that share the module's runs are one xdist group, the two
 runs that kill or inspect processes another; the launcher's own tests (small
 commands, no jax) are in none. Every process of a run on this machine
-writes its compiles to jax's persistent cache (models/compat.py; jax itself
+writes its compiles to jax's persistent cache (parity/core/compat.py; jax itself
 writes process 0's only, and on CPU process 1's keys differ), so a warm run
 loads every program in both processes. Warm, in the full suite, the shared
 runs took 20 s and the killed run 14 s (before that change: 37 s and 32 s).
 The killed run's surviving process now ends at the launcher's SIGTERM
-(parity/distributed.py turns jax's preemption service off for runs on this
+(parity/procs/distributed.py turns jax's preemption service off for runs on this
 machine) instead of at its SIGKILL 5 s later: alone, warm, 6.5 s instead of
 10.5 s.
 """
@@ -52,7 +52,7 @@ import time
 
 import pytest
 
-from parity import launcher
+from parity.procs import launcher
 
 SHARED_RUNS = pytest.mark.xdist_group('multihost')
 OWN_RUNS = pytest.mark.xdist_group('multihost-own-runs')
@@ -97,10 +97,10 @@ def runs(tmp_path_factory):
 
 
 def _ulp(a_hex: str, b_hex: str) -> int:
-  """ULPs between two float32 losses reported as hex floats (parity.bitwise.max_ulp)."""
+  """ULPs between two float32 losses reported as hex floats (parity.core.bitwise.max_ulp)."""
   import numpy as np
 
-  from parity import bitwise
+  from parity.core import bitwise
 
   return bitwise.max_ulp(*(np.float32(float.fromhex(h)) for h in (a_hex, b_hex)))
 
@@ -184,7 +184,7 @@ def test_a_pair_whose_states_differ_is_a_verdict_in_two_processes(tmp_path):
   each path named once, by process 0, and no report; nothing is compiled."""
   (tmp_path / 'renamed.py').write_text(
       'import dataclasses\n'
-      'from bridge.stock import Renames\n'
+      'from parity.pairs.stock_layout import Renames\n'
       'from tests import test_family_classifier as classifier\n\n'
       'def sides(mesh):\n'
       '  linen, nnx_side = classifier.make_sides(classifier.CFG, mesh)\n'
@@ -317,7 +317,7 @@ def test_a_process_killed_while_saving_leaves_no_partial_checkpoint(tmp_path):
   assert 'process 1 exited with status -9' in output
   assert not any(_alive(p) for p in workers)
   # Every step Orbax lists is whole; anything half-written is not a step.
-  from parity import checkpoints
+  from parity.store import checkpoints
 
   for side in ('linen', 'nnx'):
     manager = checkpoints.open_manager(ckpt / side, create=False, read_only=True)
@@ -336,7 +336,7 @@ def test_a_process_killed_while_saving_leaves_no_partial_checkpoint(tmp_path):
 # Small jax runs: nothing left behind, SIGTERM ends a process, the cache
 # ---------------------------------------------------------------------------
 
-# A process of a launched run: 2 CPU devices, joined through parity.distributed.
+# A process of a launched run: 2 CPU devices, joined through parity.procs.distributed.
 JOIN_A_JAX_RUN = (
     'import os\n'
     'os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"\n'
@@ -374,7 +374,7 @@ def test_a_process_of_a_jax_run_ends_at_the_launchers_sigterm(tmp_path):
   """SIGTERM, which the launcher sends to stop a failed run's processes, ends a jax process.
 
   jax's preemption service catches SIGTERM by default and the process goes
-  on; parity.distributed turns it off for runs on this machine. Without
+  on; parity.procs.distributed turns it off for runs on this machine. Without
   that, process 1 here would survive its SIGTERM and the run would pass.
   """
   body = (
@@ -399,7 +399,7 @@ def test_every_process_finds_its_programs_in_the_cache_on_the_next_run(tmp_path)
   """Process 1 loads its compiled programs on the next run, as process 0 does.
 
   jax writes the persistent cache from process 0 only, and on CPU each
-  process's keys differ: without models.compat.cache_compiles_of_every_process
+  process's keys differ: without parity.core.compat.cache_compiles_of_every_process
   process 1 compiles every program on every run (measured: a warm 2-process
   `parity compare` took 18 s, 7.4 s with it).
   """

@@ -62,7 +62,7 @@ def test_notebook_is_the_script_without_outputs():
 # loop) behind in the process that executes a notebook. Workers that had run
 # this test crashed later (segmentation faults in XLA compilation or in jax's
 # cache read); the cause turned out to be Linux's memory-map limit, which any
-# worker could reach (parity/map_limit.py), but the kernel's threads and
+# worker could reach (parity/env/map_limit.py), but the kernel's threads and
 # programs stay out of the worker all the same. The child writes the executed
 # notebook, which the test reads.
 _EXECUTE = r"""

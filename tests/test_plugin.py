@@ -150,12 +150,12 @@ def test_a_projects_own_models_package_is_named_when_the_kit_is_used(tmp_path):
 
   (tmp_path / 'models').mkdir()
   (tmp_path / 'models' / '__init__.py').write_text('')
-  used = subprocess.run([sys.executable, '-c', 'from parity.adapter import Pair'], cwd=tmp_path,
+  used = subprocess.run([sys.executable, '-c', 'from parity.pairs.adapter import Pair'], cwd=tmp_path,
                         capture_output=True, text=True)
   assert used.returncode == 1
   assert (f'ImportError: linen-nnx-parity: the top-level package `models` is imported from'
           f' {tmp_path / "models"}, not from this kit') in used.stderr, used.stderr
-  unused = subprocess.run([sys.executable, '-c', 'import parity.plugin'], cwd=tmp_path,
+  unused = subprocess.run([sys.executable, '-c', 'import parity.battery.plugin'], cwd=tmp_path,
                           capture_output=True, text=True)
   assert unused.returncode == 0, unused.stderr
 

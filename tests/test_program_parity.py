@@ -4,7 +4,7 @@ For every scenario on one device, and on the 3-axis mesh for the scenarios
 the suite trains there (`tests.runs.mesh_cases`; every one with
 `--full-mesh-matrix`), XLA's memory analysis of the two compiled train steps (argument, output, temporary,
 aliased and peak bytes) is equal to the byte, and the canonical programs are
-identical except for the allowed differences (`parity.programs.ALLOWED`,
+identical except for the allowed differences (`parity.compare.programs.ALLOWED`,
 today only the step counter's dtype). `10_scan_axis0` stores the NNX layers
 on another axis on purpose; its programs differ and the report says why.
 
@@ -20,8 +20,9 @@ import pytest
 from bridge.layout import layout_for
 from models import data, rng
 from models.config import SCENARIOS, get_configs
-from parity import programs, runner
-from parity.sides import make_sides
+from parity.compare import programs
+from parity.run import runner
+from bridge.sides import make_sides
 from tests.runs import THREE_AXES, mesh_cases, mesh_run, tiny_run
 
 SAME_LAYOUT = [s for s in sorted(SCENARIOS) if not layout_for(get_configs('tiny', s)[0]).moves]

@@ -1,6 +1,6 @@
 """`parity compare` as a report: timing done right, FLOPs, program diff, tables, progress.
 
-The equivalence checks here are bitwise (parity.bitwise) with no tolerance.
+The equivalence checks here are bitwise (parity.core.bitwise) with no tolerance.
 The timing and FLOPs checks are not equivalence checks: each states the
 bound it asserts and why.
 """
@@ -17,8 +17,13 @@ import pytest
 
 from models import data, rng
 from models.config import get_configs
-from parity import checkpoints, flops, programs, report, runner
-from parity.sides import as_jax_batch
+from parity.store import checkpoints
+from bridge import flops
+from parity.compare import programs
+from parity.run import report
+from parity.run import runner
+from bridge import reference
+from bridge.sides import as_jax_batch
 from tests.runs import STEPS, tiny_run
 
 TIMING_STEPS = 12
@@ -26,7 +31,7 @@ CHECKPOINT_EVERY = 3
 
 
 # ---------------------------------------------------------------------------
-# Timing (how steps are timed: parity/runner.py)
+# Timing (how steps are timed: parity/run/runner.py)
 # ---------------------------------------------------------------------------
 
 
@@ -56,7 +61,7 @@ def test_step_times_and_checkpoint_saves_are_timed_apart(tmp_path):
     assert len(linen_run.losses) == len(nnx_run.losses) == step + 1
     events.append(('losses on host', step))
 
-  result = runner.run_compare(
+  result = reference.run_compare(
       *get_configs('tiny'), steps=TIMING_STEPS, on_step=on_step,
       checkpoint_every=CHECKPOINT_EVERY, checkpoint_fn=checkpoint_fn, program_diff=False,
   )
@@ -131,7 +136,7 @@ def test_analytic_flops_agree_with_xla_cost_analysis():
   model_cfg, train_cfg = get_configs('tiny', '02_unscanned')
   # The runner's sides: a run of this scenario elsewhere in the session
   # has compiled this step already.
-  linen, _ = runner.sides_for(model_cfg, train_cfg, None)
+  linen, _ = reference.sides_for(model_cfg, train_cfg, None)
   state = linen.init(0)
   batch = as_jax_batch(data.make_batch(model_cfg, train_cfg, 0))
   xla = runner.compile_step(linen, state, batch, rng.base_key(0), compare_program=False).cost_flops()
@@ -144,7 +149,7 @@ def test_analytic_flops_agree_with_xla_cost_analysis():
 def test_a_step_compiled_without_its_comparison_has_no_program_to_diff():
   """`compare_program=False` skips the comparison lowering; diffing such a step is an error."""
   model_cfg, train_cfg = get_configs('tiny', '02_unscanned')
-  linen, _ = runner.sides_for(model_cfg, train_cfg, None)
+  linen, _ = reference.sides_for(model_cfg, train_cfg, None)
   batch = as_jax_batch(data.make_batch(model_cfg, train_cfg, 0))
   step = runner.compile_step(linen, linen.init(0), batch, rng.base_key(0), compare_program=False)
   assert step.compared_text is None and step.argument_names is None
@@ -527,7 +532,7 @@ def _declared_run(passes=('program',), changed=4, outside_identical=True, nnx_me
                   diff='-a\n+b', max_temp_bytes=0):
   """A 3-step comparison whose programs differ by `changed` canonical lines, with a declared
   program difference (bound 10 lines) on `passes`; Linen's memory is MEMORY."""
-  from parity.adapter import KnownDifference
+  from parity.pairs.adapter import KnownDifference
 
   declared = KnownDifference(('BatchNorm_0',), passes, 'lowers differently', max_changed_lines=10,
                              max_temp_bytes=max_temp_bytes)
@@ -632,7 +637,7 @@ def test_a_declared_memory_difference_admits_temporaries_within_its_bound(nnx_ch
 ], ids=['unknown', 'misspelt', 'a_string', 'none', 'paths_a_string', 'memory_alone'])
 def test_a_declaration_the_battery_cannot_apply_is_an_error(kwargs, message):
   """A misspelt pass would otherwise be accepted and never applied."""
-  from parity.adapter import KnownDifference
+  from parity.pairs.adapter import KnownDifference
 
   args = dict(paths=('LayerNorm_0',), passes=('program',), reason='r') | kwargs
   with pytest.raises(ValueError, match=message):
@@ -647,7 +652,7 @@ def test_a_declaration_the_battery_cannot_apply_is_an_error(kwargs, message):
 ], ids=['no_steps', 'steps_a_float', 'meshes_a_string', 'an_empty_mesh'])
 def test_a_pair_the_battery_cannot_run_as_declared_is_an_error(kwargs, message):
   """Zero steps would compare no training and pass; one mesh string would be taken as its characters."""
-  from parity.adapter import Pair
+  from parity.pairs.adapter import Pair
 
   with pytest.raises(ValueError, match=r"Pair 'mine' " + message):
     Pair('mine', lambda mesh: None, lambda step, split='train': {}, **kwargs)
@@ -658,7 +663,7 @@ class _PartialSide:
   """A user's side with every member of `Side` but those named."""
 
   def __init__(self, name, without=()):
-    from parity import adapter
+    from parity.pairs import adapter
 
     self.name, self.mesh = name, None
     for member in adapter.side_members():
@@ -671,16 +676,16 @@ class _PartialSide:
 
 @pytest.mark.parametrize('make_sides,message', [
     (lambda mesh: (_PartialSide('linen'), _PartialSide('nnx', without=('comparison_state', 'param_specs'))),
-     r"mine: the NNX side \(_PartialSide\) lacks param_specs, comparison_state of parity.adapter.Side"),
+     r"mine: the NNX side \(_PartialSide\) lacks param_specs, comparison_state of parity.pairs.adapter.Side"),
     (lambda mesh: (_PartialSide('linen', without=('mesh',)), _PartialSide('nnx')),
-     r'mine: the Linen side \(_PartialSide\) lacks mesh of parity.adapter.Side'),
+     r'mine: the Linen side \(_PartialSide\) lacks mesh of parity.pairs.adapter.Side'),
     (lambda mesh: _PartialSide('linen'), r'mine: make_sides\(mesh\) returned _PartialSide, not \(linen side, nnx side\)'),
 ], ids=['two_methods_missing', 'an_attribute_missing', 'one_side'])
 def test_a_side_missing_part_of_the_protocol_is_named_before_anything_runs(make_sides, message):
   """A side lacking members of `Side` fails at once naming them all, not as an AttributeError
   from inside whichever check first calls one; `probe`, which only the localizer calls, may
   be left out."""
-  from parity import adapter
+  from parity.pairs import adapter
 
   pair = adapter.Pair('mine', make_sides, lambda step, split='train': {})
   with pytest.raises(adapter.SideError, match=message):
@@ -691,7 +696,7 @@ def test_a_side_missing_part_of_the_protocol_is_named_before_anything_runs(make_
 
 
 def test_step_metrics_that_are_not_what_side_says_are_named():
-  from parity import adapter
+  from parity.pairs import adapter
 
   side = _PartialSide('nnx')
   with pytest.raises(adapter.SideError, match=r"mine: the nnx side's eval_step returned float, not a mapping"):

@@ -7,7 +7,7 @@ The golden loss record (tests/golden/losses/jax-X.Y/<scenario>.txt, one hex
 float per step) catches a change that moves both sides alike, which a
 side-by-side comparison cannot. The records are exact; they are meant to
 hold on any x86-64 CPU with AVX2 and FMA because the suite runs XLA:CPU with
-`parity.xla_env.portable_cpu_flags()` (root conftest.py): without them the
+`parity.env.xla_env.portable_cpu_flags()` (root conftest.py): without them the
 kernels, vector width, math approximations and thread split follow the host
 and the bits move by about 1e-5 from step 2 on. Measured with the flags: the
 same bits on an AMD EPYC with AVX-512 and on one core of it, and under qemu's
@@ -34,12 +34,14 @@ import numpy as np
 import pytest
 
 from bridge.layout import layout_for
-from models import compat, data, rng
+from models import data, rng
+from parity.core import compat
 from models.config import SCENARIOS, get_configs, replace
-from parity import tables, xla_env
-from parity.bitwise import assert_bitwise_equal
-from parity.runner import run_compare
-from parity.sides import as_jax_batch, make_sides
+from bridge import tables
+from parity.env import xla_env
+from parity.core.bitwise import assert_bitwise_equal
+from bridge.reference import run_compare
+from bridge.sides import as_jax_batch, make_sides
 from tests.golden import GOLDEN_DIR, check_golden
 from tests.runs import STEPS, start
 from tests.runs import tiny_run as _run
@@ -64,7 +66,10 @@ def test_scenario_trains_bit_identically(scenario):
 def test_a_train_metric_other_than_the_loss_is_compared(monkeypatch):
   """An NNX step whose z-loss alone is off (doubled): the runner and the battery see it."""
   from models.nnx import train as nnx_train
-  from parity import adapter, battery, runner, sides
+  from parity.pairs import adapter
+  from parity.battery import checks as battery
+  from parity.run import runner
+  from bridge import sides
 
   original = nnx_train.make_train_step
 
@@ -102,7 +107,7 @@ def _check_loss_record(name: str, text: str) -> None:
 
 
 def _missing_cpu_features() -> list[str]:
-  """What this host lacks of the records' CPU: x86-64 with AVX2 and FMA (parity/xla_env.py)."""
+  """What this host lacks of the records' CPU: x86-64 with AVX2 and FMA (parity/env/xla_env.py)."""
   if platform.machine().lower() not in ('x86_64', 'amd64'):
     return [f'x86-64 (it is {platform.machine()})']
   try:
@@ -119,7 +124,7 @@ def _assert_record_conditions() -> None:
   The records are the bits of the suite's portable flags, its 8 CPU devices
   and 8 CPU-client threads (root conftest.py): XLA:CPU splits large loops
   into one task per thread, and some programs round otherwise with another
-  split (parity/xla_env.py). A run that overrides any of them fails here
+  split (parity/env/xla_env.py). A run that overrides any of them fails here
   saying so, not on a record that cannot hold for it.
   """
   missing = _missing_cpu_features()

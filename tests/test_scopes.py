@@ -3,7 +3,7 @@
 Flax's stock layer norms lower differently on the two sides (same numbers):
 with the operations located in the declared module left out
 (`programs.canonicalize(opaque_modules=...)`, the NNX module calls named by
-their Linen paths, parity/scopes.py), the rest of the program must be
+their Linen paths, parity/compare/scopes.py), the rest of the program must be
 identical, so an undeclared change elsewhere fails however small it is.
 """
 from __future__ import annotations
@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import compat
-from parity import programs, scopes
+from parity.core import compat
+from parity.compare import programs
+from parity.compare import scopes
 
 RENAMES = {'norm': 'LayerNorm_0', 'dense': 'Dense_0'}
 

@@ -33,13 +33,15 @@ import jax
 import numpy as np
 import pytest
 
-from bridge import specs
+from parity.core import specs
 from bridge import train_state as bridge_state
 from bridge.layout import layout_for
-from bridge.errors import TreeMismatchError
+from parity.core.errors import TreeMismatchError
 from models.config import get_configs
-from parity import battery, bitwise, tables
-from parity.sides import make_sides
+from parity.battery import checks as battery
+from parity.core import bitwise
+from bridge import tables
+from bridge.sides import make_sides
 from tests.runs import MESH_STEPS, THREE_AXES, mesh_cases, mesh_run, tiny_run
 
 def pytest_generate_tests(metafunc):

@@ -11,11 +11,11 @@ import functools
 
 import pytest
 
-from bridge import specs
+from parity.core import specs
 from bridge.layout import IDENTITY
 from models.config import get_preset
-from parity import tables
-from parity.sides import make_sides
+from bridge import tables
+from bridge.sides import make_sides
 from tests.golden import check_golden
 
 DEFAULT_PARAM_COUNT = 1_104_218_112

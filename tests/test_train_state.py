@@ -1,7 +1,7 @@
 """The train states the battery trains are the model packages' own, and they match.
 
 Both sides build their state with their package's `create_train_state`
-(parity/sides.py); here, per scenario, the two states carried into the
+(bridge/sides.py); here, per scenario, the two states carried into the
 checkpoint layout have the same leaves (paths, shapes, dtypes), the step
 counter's dtype aside (Linen int32, `nnx.Optimizer` uint32). A train state
 that optimises something else (say, an `nnx.Optimizer` whose `wrt` also
@@ -17,7 +17,7 @@ from models import data, rng
 from models.config import SCENARIOS, get_configs
 from models.linen import train as linen_train
 from models.nnx import train as nnx_train
-from parity.sides import LinenSide, NnxSide, make_sides
+from bridge.sides import LinenSide, NnxSide, make_sides
 
 
 def _leaves(side):

@@ -1,7 +1,7 @@
-"""The portable CPU flags per host architecture (parity/xla_env.py; no jax)."""
+"""The portable CPU flags per host architecture (parity/env/xla_env.py; no jax)."""
 from __future__ import annotations
 
-from parity import xla_env
+from parity.env import xla_env
 
 ISA = '--xla_cpu_max_isa'
 

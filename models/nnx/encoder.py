@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models import compat
+from parity.core import compat
 from models.families import ENCODER_ACTIVATION_AXES, ENCODER_AXES, EncoderConfig
 
 

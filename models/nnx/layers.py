@@ -2,7 +2,7 @@
 
 Mirrors models/linen/layers.py class for class. Submodules are attributes
 named as the Linen submodules, so parameter paths are the same. Parameters
-carry logical axes as `out_sharding` metadata (models.compat.nnx_param);
+carry logical axes as `out_sharding` metadata (parity.core.compat.nnx_param);
 activations through `logical_constraint` (a no-op outside a mesh).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from flax import nnx
 from flax.linen import fp8_ops
 from flax.linen import spmd as flax_spmd
 
-from models import compat
+from parity.core import compat
 from models.config import ModelConfig
 
 Axes = tuple[str | None, ...]

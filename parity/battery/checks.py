@@ -1,0 +1,688 @@
+"""The equivalence battery of one declared pair: the checks the plugin turns into tests.
+
+Each `check_*` function takes a `Pair` (parity/pairs/adapter.py) and raises
+AssertionError with a bitwise report naming every differing path; they are
+plain functions, so a test can call one directly (the plugin's tests are
+thin wrappers over them). Runs that several
+checks read (a pair's sides, its common start, training trajectories) are
+computed once per process (`_runs`).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import tempfile
+from typing import Any, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from parity.core import paths
+from parity.core import specs as specs_lib
+from parity.core.errors import TreeMismatchError
+from parity.core import rng
+from parity.compare import activations
+from parity.pairs import adapter
+from parity.core import bitwise
+from parity.store import checkpoints
+from parity.procs import distributed
+from parity.compare import localize
+from parity.compare import programs
+from parity.run import runner
+
+
+class _Runs:
+  """What a pair's checks share, computed on first use."""
+
+  def __init__(self, pair: adapter.Pair):
+    self.pair = pair
+
+  @functools.cache
+  def sides(self, mesh_spec: str | None = None) -> tuple[adapter.Side, adapter.Side]:
+    try:
+      mesh = None if mesh_spec is None else specs_lib.make_mesh(mesh_spec)
+    except ValueError as e:
+      if 'devices, but' not in str(e):  # a malformed spec: its own message says what
+        raise
+      backend = jax.default_backend()
+      where = ('' if backend == 'cpu' else
+               f"; jax's default backend here is {backend}: JAX_PLATFORMS=cpu runs the battery"
+               f' on the CPU devices, or --parity-mesh gives a mesh of the {backend} devices')
+      raise ValueError(
+          f'{e}. A mesh spans every device; on the CPU, XLA_FLAGS='
+          '--xla_force_host_platform_device_count=N set before jax starts gives N devices'
+          f" (the plugin sets it for the first pair's meshes, or --parity-mesh's){where}"
+      ) from None
+    return adapter.make_pair_sides(self.pair, mesh)
+
+  def side(self, name: str, mesh_spec: str | None = None) -> adapter.Side:
+    return dict(zip(('linen', 'nnx'), self.sides(mesh_spec)))[name]
+
+  def batch(self, step: int, split: str = 'train', mesh_spec: str | None = None):
+    side = self.sides(mesh_spec)[0]
+    return side.place_batch(self.pair.batch(step, split))
+
+  @functools.cache
+  def dropout_base(self):
+    return rng.base_key(self.pair.seed)
+
+  @functools.cache
+  def structure_mismatch(self) -> str | None:
+    """Where the two sides' states differ in the checkpoint layout (None: nowhere)."""
+    try:
+      adapter.check_structure(self.pair.name, *self.sides())
+    except TreeMismatchError as e:
+      return str(e)
+    return None
+
+  @functools.cache
+  def start(self, init_side: str, mesh_spec: str | None = None) -> dict[str, Any]:
+    """`init_side`'s fresh state in the checkpoint layout."""
+    # A state carried to a side of another structure fails inside the side's own code
+    # (a KeyError in from_checkpoint): every part that runs a state says why instead.
+    mismatch = self.structure_mismatch()
+    if mismatch is not None:
+      lines = mismatch.splitlines()
+      raise AssertionError(
+          f'{self.pair.name}: the two sides\' states differ in the checkpoint layout, so nothing is'
+          ' compared here (the structure part names every path):\n' + '\n'.join(lines[:4])
+          + (f'\n  ... and {len(lines) - 4} more lines' if len(lines) > 4 else ''))
+    side = self.side(init_side, mesh_spec)
+    return side.to_checkpoint(side.init(self.pair.seed))
+
+  @functools.cache
+  def trajectory(self, side_name: str, init_side: str, mesh_spec: str | None = None):
+    """(train metrics per step, final state in the checkpoint layout, final state) of
+    `pair.steps` steps from `init_side`'s init."""
+    side = self.side(side_name, mesh_spec)
+    state = side.from_checkpoint(self.start(init_side, mesh_spec))
+    metrics = []
+    for step in range(self.pair.steps):
+      state, m = side.train_step(state, self.batch(step, mesh_spec=mesh_spec), self.dropout_base())
+      metrics.append(adapter.checked_metrics(self.pair.name, side, 'train_step', m, need_loss=True))
+    return metrics, side.to_checkpoint(state), state
+
+  @functools.cache
+  def linen_state_before(self, step: int, init_side: str = 'linen') -> dict[str, Any]:
+    """The Linen side's state (checkpoint layout) after `step` train steps from `init_side`'s init."""
+    if step == 0:
+      return self.start(init_side)
+    side = self.side('linen')
+    state = side.from_checkpoint(self.start(init_side))
+    for s in range(step):
+      state, _ = side.train_step(state, self.batch(s), self.dropout_base())
+    return side.to_checkpoint(state)
+
+  @functools.cache
+  def localization(self, step: int = 0, init_side: str = 'linen') -> localize.Localization:
+    """The localizer on train step `step`, both sides from the Linen state before it."""
+    lacking = [side.name for side in self.sides() if not hasattr(side, 'probe')]
+    if lacking:
+      raise adapter.SideError(
+          f'{self.pair.name}: the {" and ".join(lacking)} side(s) have no probe (parity.pairs.adapter.Side.probe),'
+          ' which the localizer needs: nothing localized')
+    return localize.localize_step(
+        *self.sides(), self.linen_state_before(step, init_side), self.batch(step),
+        rng.step_key(self.dropout_base(), step, 0),
+    )
+
+  def localization_lines(self, step: int = 0, init_side: str = 'linen',
+                         metric_diffs: Sequence[bitwise.LeafDiff] = (), part: str = 'train') -> list[str]:
+    """The localizer's report on train step `step`; `metric_diffs`, that step's train
+    metrics compared, tells a metric returned as another type from a numeric divergence;
+    `part`, the failing part ('grads' or 'train'), what agreeing probes leave."""
+    try:
+      result = self.localization(step, init_side)
+    except Exception as e:  # the localizer must never hide the failure it explains
+      return [f'localizer failed: {type(e).__name__}: {e}'] + self.parameter_order_lines()
+    lines = result.lines() + self.rng_stream_lines(result)
+    if result.first(step) is None and part == 'grads':
+      lines.append('both passes are bitwise from the same state (each side\'s probe): so the sides\''
+                   ' value_and_grads compute otherwise than their probes (their paths, their loss, the'
+                   ' key they take), or the gradients differ in dtype or shape only')
+      return lines + self.parameter_order_lines()
+    if result.first(step) is None:
+      if metric_diffs and all(d.kind != 'bits' for d in metric_diffs):
+        lines.append(
+            f'both passes are bitwise from the same state, and the train metrics of step {step}'
+            f' differ in type only ({"; ".join(str(d) for d in metric_diffs)}): the two train'
+            ' steps return a metric as another dtype, shape or key, which a bitwise comparison'
+            ' counts as a difference whatever its values')
+        return lines
+      lines.append('both passes are bitwise from the same state: the difference is in what the'
+                   ' step does with the gradients (optimizer update, state collections)')
+      lines += self.update_lines(step, init_side)
+      lines += self.parameter_order_lines()
+    return lines
+
+  def rng_stream_lines(self, result: localize.Localization) -> list[str]:
+    """A line when the module the localizer names holds an RNG stream kept in the NNX model
+    (`StockNnx.rng_stream_paths`): the masks such a layer draws cannot be Linen's."""
+    found = result.first()
+    streams_of = getattr(self.side('nnx'), 'rng_stream_paths', None)  # the stock NNX side's
+    if found is None or streams_of is None:
+      return []
+    module = found['path']
+    streams = [p for p in streams_of() if p == module or p.startswith(module + '/')]
+    if not streams:
+      return []
+    return [f'{module} draws from an RNG stream kept in the NNX model ({", ".join(streams)}), which'
+            ' a Linen TrainState does not hold, so its masks cannot be those of Linen\'s make_rng:'
+            ' derive the key from the step (dropout_base) and pass it at the call on both sides,'
+            ' as `nn.Dropout(...)(x, rng=key)` and `nnx.Dropout(...)(x, rngs=key)`'
+            ' (README, "Your own migration")']
+
+  def update_lines(self, step: int, init_side: str = 'linen') -> list[str]:
+    """Where the two states part after train step `step`, both from the Linen state before it:
+    the parts of the state that differ (leaf counts), scalars first named, as a counter
+    (a gradient-accumulation step, an EMA count) tells the most."""
+    try:
+      start = self.linen_state_before(step, init_side)
+      after = []
+      for side in self.sides():
+        state, _ = side.train_step(side.from_checkpoint(start), self.batch(step), self.dropout_base())
+        after.append(distributed.host_arrays(side.to_checkpoint(state)))
+    except Exception as e:  # a hint only: never hide the failure it explains
+      return [f'(states after the step not compared: {type(e).__name__}: {e})']
+    diffs = bitwise.compare_trees(*after)
+    if not diffs:
+      return []
+    parts: dict[str, int] = {}
+    for d in diffs:
+      key = '/'.join(d.path.split('/')[:2])
+      parts[key] = parts.get(key, 0) + 1
+    shown = ', '.join(f'{k} ({n})' for k, n in list(parts.items())[:8])
+    more = f' and {len(parts) - 8} more' if len(parts) > 8 else ''
+    scalars = [str(d) for d in diffs if _is_scalar(d, after[0])][:3]
+    return [f'after step {step}, from the same state, the states differ in {len(diffs)} leaves:'
+            f' {shown}{more}' + (f'; scalars: {"; ".join(scalars)}' if scalars else '')]
+
+  def parameter_order_lines(self) -> list[str]:
+    """Where the sides flatten their parameters in different orders, a line saying so.
+
+    A reduction over every leaf (optax.clip_by_global_norm, a global-norm
+    metric) adds the leaves in the tree's order, so two sides holding the same
+    parameters in another order round differently. The orders are the
+    compiled train steps' arguments, named by checkpoint path.
+    """
+    try:
+      names = [self.compiled(s).argument_names or [] for s in ('linen', 'nnx')]
+    except Exception as e:  # a hint only: never hide the failure it explains
+      return [f'(parameter order not compared: {type(e).__name__}: {e})']
+    common = set(names[0]) & set(names[1])
+    orders = [[n for n in side if n.startswith('params/') and n in common] for side in names]
+    for i, (a, b) in enumerate(zip(*orders)):
+      if a != b:
+        return [f'the sides flatten their parameters in different orders (parameter {i}: Linen'
+                f' {a}, NNX {b}): a reduction over every leaf, such as optax.clip_by_global_norm'
+                ' or a global-norm metric, adds them in another order and rounds differently.'
+                ' Both frameworks flatten by sorted names: NNX attribute names that sort as the'
+                ' Linen module names do make the two sums the same']
+    return []
+
+  @functools.cache
+  def compiled(self, side_name: str) -> runner.CompiledStep:
+    side = self.side(side_name)
+    state = side.from_checkpoint(self.start('linen'))
+    return runner.compile_step(side, state, self.batch(0), self.dropout_base())
+
+
+@functools.cache
+def _runs(pair: adapter.Pair) -> _Runs:
+  return _Runs(pair)
+
+
+def _battery_frames_hidden(excinfo) -> bool:
+  """pytest's `__tracebackhide__` filter for the checks: a failure's frames inside the
+  battery are not shown (its message names what differs); a crash's are."""
+  return excinfo.errisinstance(AssertionError)
+
+
+def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping[str, Any], what: str,
+            labels: tuple[str, str] = ('Linen', 'NNX')) -> list[str]:
+  """Bitwise, except declared differences, which must hold their bound.
+
+  Returns one line per declared difference seen (with its measured ULP);
+  raises AssertionError listing everything else that differs.
+  """
+  __tracebackhide__ = _battery_frames_hidden
+  seen, problems = [], []
+  a, b = paths.flatten(dict(a)), paths.flatten(dict(b))
+  for d in _scalars_first(bitwise.compare_trees(a, b, labels), a):
+    known = pair.known(d.path, pass_name) if d.kind == 'bits' else None
+    if known is None:
+      problems.append(str(d))
+      continue
+    ulp = bitwise.ulp_distance(a[d.path], b[d.path])
+    if ulp is None:  # not floats: a bound in ULP does not cover it
+      problems.append(f'{d} (declared bound {known.max_ulp} ULP, but these are not floats)')
+      continue
+    line = f'{d.path}: {ulp} ULP (declared bound {known.max_ulp}: {known.reason})'
+    (seen if ulp <= known.max_ulp else problems).append(line)
+  if problems:
+    more = [f'... and {len(problems) - 50} more'] if len(problems) > 50 else []
+    raise AssertionError(
+        f'{pair.name}: {what} are not bit-identical: {len(problems)} leaf/leaves differ,'
+        f' scalars first (values: {labels[0]} vs {labels[1]})\n  '
+        + '\n  '.join(problems[:50] + more)
+    )
+  return seen
+
+
+def _is_scalar(d: bitwise.LeafDiff, a: Mapping[str, Any]) -> bool:
+  """Whether `d` is a leaf of both sides that is a scalar in `a` (the first side's flat tree)."""
+  return d.kind not in ('missing', 'extra') and np.ndim(a[d.path]) == 0
+
+
+def _scalars_first(diffs: list[bitwise.LeafDiff], a: Mapping[str, Any]) -> list[bitwise.LeafDiff]:
+  """`diffs` with leaves missing on a side and scalars first (a step counter, a loss: one
+  differing scalar often explains every array after it), in path order within each."""
+  return sorted(diffs, key=lambda d: 0 if d.kind in ('missing', 'extra') else 1 if _is_scalar(d, a) else 2)
+
+
+def _with_localization(
+    pair: adapter.Pair, error: AssertionError, step: int = 0, init_side: str = 'linen',
+    metric_diffs: Sequence[bitwise.LeafDiff] = (), part: str = 'train',
+) -> AssertionError:
+  lines = _runs(pair).localization_lines(step, init_side, metric_diffs, part)
+  return AssertionError(f'{error}\nlocalizer (step {step}, train mode):\n  ' + '\n  '.join(lines))
+
+
+def per_step(metrics: list[Mapping[str, Any]]) -> dict[str, Any]:
+  """Each step's train metrics as `<metric>/step_<i>` leaves (the loss and any other the step returns)."""
+  return {f'{k}/step_{i}': x for i, m in enumerate(metrics) for k, x in m.items()}
+
+
+def first_divergent_step(a: list[Mapping[str, Any]], b: list[Mapping[str, Any]]) -> int:
+  """The first step whose train metrics differ (shape, dtype or bits); the last step when none do.
+
+  (Equal metrics and an unequal final state: the last step's update differs,
+  or an earlier one's without reaching a later metric.)
+  """
+  for step, (x, y) in enumerate(zip(a, b)):
+    if bitwise.compare_trees(dict(x), dict(y)):
+      return step
+  return len(a) - 1
+
+
+def check_structure(pair: adapter.Pair) -> None:
+  __tracebackhide__ = _battery_frames_hidden
+  with _as_failure():
+    adapter.check_structure(pair.name, *_runs(pair).sides())
+
+
+@contextlib.contextmanager
+def _as_failure():
+  """The bridge's TreeMismatchError (every differing path) as the check's failure: an
+  AssertionError with the same message, shown without the bridge's frames."""
+  try:
+    yield
+  except TreeMismatchError as e:
+    raise AssertionError(str(e)) from None
+
+
+def check_specs(pair: adapter.Pair) -> list[str]:
+  """Logical specs of the parameters, and of every activation constraint of the train steps.
+
+  The activation constraints are read from each side's traced train step
+  (parity/compare/activations.py: traced under a mesh named by the rules' logical
+  names, so each constraint spells the names it was given): the same
+  number, in the same program order and control flow, with the same shapes,
+  dtypes and logical names. The model methods applying them may be named
+  differently on each side. Returns a line saying how many were compared.
+  """
+  __tracebackhide__ = _battery_frames_hidden
+  runs = _runs(pair)
+  linen, nnx_side = runs.sides()
+  with _as_failure():
+    specs_lib.check_no_drift(linen.param_specs(), nnx_side.param_specs(), f'{pair.name} parameters')
+  rules = _rules(pair, linen, default=specs_lib.DEFAULT_RULES)
+  start = runs.start('linen')
+  tables = [
+      activations.rows(side, side.from_checkpoint(start), runs.batch(0), runs.dropout_base(), tuple(rules))
+      for side in (linen, nnx_side)
+  ]
+  problems = activations.drift(*tables, sites=False)
+  if problems:
+    raise AssertionError(
+        f'{pair.name}: activation constraints differ ({len(tables[0])} in Linen\'s train step,'
+        f' {len(tables[1])} in NNX\'s):\n  ' + '\n  '.join(problems[:50])
+    )
+  if not tables[0]:
+    return ['activation constraints: none in either train step (nothing to compare)']
+  return [f'activation constraints: {len(tables[0])} per train step, the same logical names on both sides']
+
+
+def _rules(pair: adapter.Pair, side: adapter.Side, default):
+  """The pair's logical axis rules, else the side's, else `default`."""
+  if pair.rules is not None:
+    return pair.rules
+  return getattr(side, 'rules', None) or default
+
+
+def check_grads(pair: adapter.Pair) -> list[str]:
+  __tracebackhide__ = _battery_frames_hidden
+  runs = _runs(pair)
+  start = runs.start('linen')
+  key = rng.step_key(runs.dropout_base(), 0, 0)
+  out = {}
+  for side in runs.sides():
+    value, grads = side.value_and_grads(side.from_checkpoint(start), runs.batch(0), key)
+    out[side.name] = {'loss': value, **grads}
+  try:
+    return compare(pair, 'grads', out['linen'], out['nnx'], 'loss and gradients')
+  except AssertionError as e:
+    raise _with_localization(pair, e, part='grads') from None
+
+
+def check_train(pair: adapter.Pair, init_side: str) -> list[str]:
+  __tracebackhide__ = _battery_frames_hidden
+  runs = _runs(pair)
+  (ma, fa, _), (mb, fb, _) = (runs.trajectory(s, init_side) for s in ('linen', 'nnx'))
+  try:
+    return compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
+                   f'{pair.steps} train steps from {init_side} init (train metrics, final state)')
+  except AssertionError as e:
+    step = first_divergent_step(ma, mb)
+    metric_diffs = bitwise.compare_trees(dict(ma[step]), dict(mb[step]))
+    raise _with_localization(pair, e, step, init_side, metric_diffs) from None
+
+
+# The init part's bound: the two sides draw their random initialisers from different
+# keys (Linen folds module paths into the key, NNX counts a stream), so random leaves
+# are compared in distribution, at 6 standard errors (a false alarm about 1e-9 per leaf).
+INIT_SIGMAS = 6
+
+
+def check_init(pair: adapter.Pair) -> None:
+  """Each side's own initial state (`init(pair.seed)`, checkpoint layout) against the other's.
+
+  The rest of the battery starts both sides from one state, so a different
+  initialiser passes it. Here every leaf that is not random on both sides
+  (zeros, ones, a step counter: all its elements equal on either side, or
+  not floats) must be bitwise equal; a leaf random on both sides, with n
+  elements of standard deviation s, must agree in distribution:
+  |mean_linen - mean_nnx| <= 6 s sqrt(2/n) and |std_linen / std_nnx - 1| <= 6/sqrt(n),
+  6 standard errors of the difference. A wrong scale (fan-out for fan-in, a
+  forgotten 1/sqrt(d)) is caught where it moves the std by more than 6/sqrt(n)
+  (0.19 for 1,000 elements, 0.06 for 10,000); initialisers of one variance
+  but another shape (uniform against truncated normal) are not told apart.
+  """
+  __tracebackhide__ = _battery_frames_hidden
+  runs = _runs(pair)
+  a = distributed.host_arrays(runs.start('linen'))
+  b = distributed.host_arrays(runs.start('nnx'))
+  problems = []
+  for d in bitwise.compare_trees(a, b):
+    if d.kind != 'bits':
+      problems.append(str(d))
+      continue
+    x, y = a[d.path], b[d.path]
+    random = [
+        jax.numpy.issubdtype(v.dtype, jax.numpy.floating) and v.size > 1 and bool(np.any(v != v.flat[0]))
+        for v in (x, y)
+    ]
+    if not all(random):
+      which = ' and '.join(name for name, r in zip(('Linen', 'NNX'), random) if not r)
+      problems.append(f'{d} (not random in {which}: all its elements equal, or not floats, so'
+                      ' compared bit for bit)')
+      continue
+    x, y = x.astype(np.float64).ravel(), y.astype(np.float64).ravel()
+    n, sx, sy = x.size, x.std(), y.std()
+    mean_bound = INIT_SIGMAS * max(sx, sy) * np.sqrt(2 / n)
+    std_bound = INIT_SIGMAS / np.sqrt(n)
+    stats = (f'mean {x.mean():.4g} vs {y.mean():.4g}, std {sx:.4g} vs {sy:.4g}, {n} elements;'
+             f' bounds: means within {mean_bound:.3g}, std ratio within 1 +- {std_bound:.3g}')
+    if abs(x.mean() - y.mean()) > mean_bound or abs(sx / sy - 1) > std_bound:
+      problems.append(f'{d.path}: another distribution ({stats})')
+  if problems:
+    raise AssertionError(
+        f'{pair.name}: the two sides\' own initial states (init(seed {pair.seed}), checkpoint'
+        f' layout) differ beyond what their random initialisers explain: {len(problems)}'
+        ' leaf/leaves (values: Linen vs NNX)\n  ' + '\n  '.join(problems[:50])
+        + (f'\n  ... and {len(problems) - 50} more' if len(problems) > 50 else '')
+    )
+
+
+def check_eval(pair: adapter.Pair) -> list[str]:
+  """The eval steps, first from one state (the Linen run's, carried to NNX), so that a
+  difference there is the eval steps' own; then each from its side's own training, which
+  also reads what the checkpoint layout leaves out (state only NNX keeps)."""
+  __tracebackhide__ = _battery_frames_hidden
+  runs = _runs(pair)
+  batch = runs.batch(0, 'eval')
+  _, trained, linen_state = runs.trajectory('linen', 'linen')
+  linen_side, nnx_side = runs.sides()
+
+  def evaluate(side, state):
+    return adapter.checked_metrics(pair.name, side, 'eval_step', side.eval_step(state, batch), need_loss=False)
+
+  linen_metrics = evaluate(linen_side, linen_state)
+  seen = compare(pair, 'eval', linen_metrics, evaluate(nnx_side, nnx_side.from_checkpoint(trained)),
+                 f'eval metrics from one state (the Linen run\'s after {pair.steps} steps)')
+  *_, nnx_state = runs.trajectory('nnx', 'linen')
+  own = compare(pair, 'eval', linen_metrics, evaluate(nnx_side, nnx_state),
+                'eval metrics after each side\'s own training (the eval steps agree from one state:'
+                ' the trained states differ, see the train part)')
+  return seen + [line for line in own if line not in seen]
+
+
+def check_checkpoint(pair: adapter.Pair, direction: str) -> None:
+  __tracebackhide__ = _battery_frames_hidden
+  runs = _runs(pair)
+  src_name, dst_name = direction.split('->')
+  src, dst = runs.side(src_name), runs.side(dst_name)
+  *_, state = runs.trajectory(src_name, 'linen')
+  with tempfile.TemporaryDirectory() as d:
+    manager = checkpoints.open_manager(d)
+    checkpoints.save(manager, 1, src, state, runs.dropout_base())
+    restored, key = checkpoints.restore(manager, 1, dst)
+    manager.close()
+  bitwise.assert_bitwise_equal(
+      {**src.to_checkpoint(state), 'dropout_base': runs.dropout_base()},
+      {**dst.to_checkpoint(restored), 'dropout_base': key},
+      f'{pair.name}: checkpoint {direction} (saved vs restored, checkpoint layout)',
+  )
+
+
+def check_resume(pair: adapter.Pair, direction: str) -> None:
+  """Train on one side, save half-way, restore into the other, finish: same as never stopping."""
+  __tracebackhide__ = _battery_frames_hidden
+  runs = _runs(pair)
+  src_name, dst_name = direction.split('->')
+  src, dst = runs.side(src_name), runs.side(dst_name)
+  half = pair.steps // 2
+  state = src.from_checkpoint(runs.start('linen'))
+  metrics = []
+  for step in range(half):
+    state, m = src.train_step(state, runs.batch(step), runs.dropout_base())
+    metrics.append(dict(m))
+  with tempfile.TemporaryDirectory() as d:
+    manager = checkpoints.open_manager(d)
+    checkpoints.save(manager, half, src, state, runs.dropout_base())
+    state, key = checkpoints.restore(manager, half, dst)
+    manager.close()
+  for step in range(half, pair.steps):
+    state, m = dst.train_step(state, runs.batch(step), key)
+    metrics.append(dict(m))
+  ref_metrics, ref_final, _ = runs.trajectory(src_name, 'linen')
+  compare(pair, 'train', {**per_step(ref_metrics), **ref_final}, {**per_step(metrics), **dst.to_checkpoint(state)},
+          f'resume {direction} at step {half} vs an uninterrupted {src_name} run',
+          labels=(f'uninterrupted {src_name}', f'resumed in {dst_name}'))
+
+
+def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
+  """Both sides on `mesh_spec`: same shardings and annotations, equal train metrics and final state.
+
+  The placement is checked first: a parameter sharded otherwise on one side
+  is the cause of the few-ULP differences it makes in the numbers. Numbers
+  that differ come with the programs' sharding annotations where those differ
+  too (an activation constrained otherwise changes both); annotations that
+  differ where the numbers do not fail last (state one side only carries,
+  such as an RNG stream kept in an NNX model).
+  """
+  __tracebackhide__ = _battery_frames_hidden
+  runs = _runs(pair)
+  (ma, fa, _), (mb, fb, _) = (runs.trajectory(s, 'linen', mesh_spec) for s in ('linen', 'nnx'))
+  linen, nnx_side = runs.sides(mesh_spec)
+  drift = state_sharding_drift(fa, fb)
+  more = [f'  ... and {len(drift) - 50} more'] if len(drift) > 50 else []
+  assert not drift, f'{pair.name}: final state shardings differ on {mesh_spec}:\n' + '\n'.join(drift[:50] + more)
+  off = [line for side, f in ((linen, fa), (nnx_side, fb)) for line in _off_their_rules(pair, side, f)]
+  assert not off, (
+      f'{pair.name}: parameters not where their logical axes and the rules put them on'
+      f' {mesh_spec}:\n  ' + '\n  '.join(off[:50])
+  )
+  batch, key = runs.batch(0, mesh_spec=mesh_spec), runs.dropout_base()
+  names, annotations = [], []
+  for side in (linen, nnx_side):
+    state = side.from_checkpoint(runs.start('linen', mesh_spec))
+    lowered = side.lower_train_step(state, batch, key)
+    names.append(set(side.argument_names(lowered, state, batch, key)))
+    annotations.append(programs.sharding_annotations(lowered.as_text()))
+  a, b = annotations
+  try:
+    found = compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
+                    f'{pair.steps} train steps on mesh {mesh_spec}')
+  except AssertionError as e:
+    if a == b:
+      raise
+    # The numbers differ and so do the steps' shardings: a constraint placing an activation
+    # otherwise (another logical name) is the likely cause, and is named with the numbers.
+    raise AssertionError(
+        f'{e}\nthe sharding annotations of the train steps differ too (a likely cause: an'
+        f' activation constraint or a placement that differs; the specs part names constraints):'
+        f' only linen {dict(a - b)}, only nnx {dict(b - a)}') from None
+  assert a == b, (
+      f'{pair.name}: sharding annotations of the train steps differ on {mesh_spec}'
+      f' (the train metrics and final state there are bit-identical{", or within the declared bounds" if found else ""}):'
+      f' only linen {dict(a - b)}, only nnx {dict(b - a)}'
+      + programs.one_sided_arguments(names[0] - names[1], names[1] - names[0])
+  )
+  return found
+
+
+def state_sharding_drift(linen: Mapping[str, Any], nnx_state: Mapping[str, Any]) -> list[str]:
+  """Each path of two states (checkpoint layout, jax arrays) whose shardings differ in
+  mesh, device order or partition spec, as parity.core.specs.sharding_drift tells them
+  (`P('fsdp')` and `P('fsdp', None)` of a matrix are one spec; an axis of size 1
+  named on one side only still counts as a difference)."""
+  shardings = [{p: x.sharding for p, x in f.items()} for f in (linen, nnx_state)]
+  ndims = {p: np.ndim(x) for f in (linen, nnx_state) for p, x in f.items()}
+  return [str(p) for p in specs_lib.sharding_drift(*shardings, ndims)]
+
+
+def _off_their_rules(pair: adapter.Pair, side: adapter.Side, flat: Mapping[str, Any]) -> list[str]:
+  """Each parameter of `flat` (a state in the checkpoint layout) not where the rules put its axes.
+
+  Catches a side that replicates (or shards otherwise) what its annotations
+  say to shard, even when the other side does the same.
+  """
+  rules = [tuple(r) for r in _rules(pair, side, default=())]
+  lines = []
+  for path, names in side.param_specs().items():
+    actual = flat[path].sharding
+    target = nn.logical_to_mesh_sharding(jax.sharding.PartitionSpec(*names), side.mesh, rules)
+    if specs_lib.sharding_drift({path: target}, {path: actual}, {path: np.ndim(flat[path])}):
+      lines.append(f'{side.name} {path}: {specs_lib.describe_sharding(actual)}; its logical axes'
+                   f' {names} give {specs_lib.describe_sharding(target)}')
+  return lines
+
+
+def check_memory(pair: adapter.Pair) -> list[str]:
+  __tracebackhide__ = _battery_frames_hidden
+  runs = _runs(pair)
+  device = jax.devices()[0]
+  mem = [runs.compiled(s).memory(device) for s in ('linen', 'nnx')]
+  missing = {s: [f for f in runner.MEMORY_FIELDS if m.get(f) is None] for s, m in zip(('linen', 'nnx'), mem)}
+  assert not any(missing.values()), (
+      f'{pair.name}: XLA memory analysis not measured on {device.platform} (fields missing: {missing});'
+      ' nothing compared. Leave the memory part out on a backend without it (--parity-parts)'
+  )
+  drift = runner.memory_drift(*mem)
+  if not drift:
+    return []
+  known = pair.program_difference()
+  if runner.declared_memory_admits(known, *mem):
+    return [f'memory differs within the declared bound (NNX {", ".join(drift)}; at most'
+            f' {known.max_temp_bytes:,} B of temporaries, {", ".join(known.paths)}: {known.reason})']
+  linen, nnx_ = runs.compiled('linen'), runs.compiled('nnx')
+  growth = programs.loop_carry_growth(
+      linen.compared_text, nnx_.compared_text, linen.argument_names, nnx_.argument_names)
+  raise AssertionError(
+      f'{pair.name}: XLA memory analysis of the train steps differs: NNX ' + ', '.join(drift)
+      + ('' if known is None or 'memory' not in known.passes else
+         f' (beyond the declared memory difference: temporaries and peak within'
+         f' {known.max_temp_bytes:,} B each, everything else equal)')
+      + (f'; in the programs, {growth}' if growth else '')
+  )
+
+
+def check_program(pair: adapter.Pair) -> list[str]:
+  """Canonical programs identical, or within the pair's declared program difference."""
+  __tracebackhide__ = _battery_frames_hidden
+  runs = _runs(pair)
+  linen, nnx_ = runs.compiled('linen'), runs.compiled('nnx')
+  d = runner.program_diff_of(linen, nnx_)
+  if d.identical:
+    return []
+  known = pair.program_difference()
+  # Confined to the declared modules: with their operations left out, the rest is identical.
+  outside = None if known is None else runner.program_diff_of(linen, nnx_, tuple(known.paths))
+  if known is not None and known.admits_program(d, outside):
+    return [f'{d.changed_lines} canonical lines (declared bound {known.max_changed_lines},'
+            f' {", ".join(known.paths)}: {known.reason}); identical outside those modules']
+  if known is None or d.changed_lines > known.max_changed_lines:
+    where = ''
+    if outside is not None:
+      where = ('; identical outside those modules: the declared modules changed more than the bound'
+               if outside.identical else f'; outside those modules too: {outside.summary(loop_growth=False)}')
+    raise AssertionError(
+        f'{pair.name}: {d.summary()}'
+        + ('' if known is None else
+           f' (declared bound {known.max_changed_lines} lines in {", ".join(known.paths)}:'
+           f' {known.reason}{where})')
+        + ''.join(f'\n{line}' for line in d.parting_lines()) + f'\n{d.diff}'
+    )
+  raise AssertionError(
+      f'{pair.name}: the programs differ outside the modules declared ({", ".join(known.paths)}):'
+      f' {outside.summary()} (their operations left out; an NNX side names its module calls'
+      f' for this, parity/compare/scopes.py)' + ''.join(f'\n{line}' for line in outside.parting_lines())
+      + f'\n{outside.diff}'
+  )
+
+
+def check_localize(pair: adapter.Pair) -> list[str]:
+  """The localizer finds nothing beyond the pair's declared differences.
+
+  A forward divergence must start in a module declared for the 'forward'
+  pass, within its ULP bound; a backward divergence may only touch
+  parameters declared for 'grads'.
+  """
+  __tracebackhide__ = _battery_frames_hidden
+  runs = _runs(pair)
+  result = runs.localization()
+  # Not vacuous: every module call and parameter gradient is compared.
+  problems, seen = list(result.unmatched), []
+  if result.forward is not None:
+    known = pair.known(result.forward, 'forward')
+    if known is None:
+      problems.append(f'forward divergence in undeclared module {result.forward}')
+    elif result.forward_ulp is None:
+      problems.append(f'{result.forward}: {result.details[result.forward_call]} (a declared bound in ULP'
+                      ' covers float values of one dtype and shape only)')
+    elif result.forward_ulp > known.max_ulp:
+      problems.append(f'{result.forward}: {result.forward_ulp} ULP exceeds the declared {known.max_ulp}')
+    else:
+      seen.append(f'{result.forward}: forward, {result.forward_ulp} ULP'
+                  f' (declared bound {known.max_ulp}: {known.reason})')
+  for module, params in result.backward:
+    undeclared = [p for p in params if pair.known(p, 'grads') is None]
+    if undeclared:
+      problems.append(f'backward divergence inside {module}: {undeclared}')
+  assert not problems, (
+      f'{pair.name}: the localizer finds undeclared differences: {problems}\n  '
+      + '\n  '.join(result.lines())
+  )
+  return seen + result.lines()

@@ -1,0 +1,11 @@
+"""The battery's parts and checkpoint directions, by name (no jax, no pytest).
+
+The plugin generates one test per part (parity/battery/plugin.py), `Pair(parts=...)`
+chooses some, and `parity compare --pair` compares what the pair's parts cover
+(memory, program, the localizer).
+"""
+PARTS = (
+    'structure', 'specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'mesh', 'memory',
+    'program', 'localize',
+)
+DIRECTIONS = ('linen->linen', 'linen->nnx', 'nnx->linen', 'nnx->nnx')

@@ -1,0 +1,186 @@
+"""Every call whose spelling depends on the installed jax / flax version.
+
+Flax moved within 0.12.x (`sharding` -> `sharding_names` -> `out_sharding`,
+eager sharding of annotated variables on by default, graph vs tree mode) and
+jax moved its mesh context managers. Nothing outside this module branches on
+a version.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import jax
+from flax import nnx
+from flax.core import meta
+
+
+def nnx_param(value: jax.Array, logical_axes: Sequence[str | None]) -> nnx.Param:
+  """An NNX parameter annotated with its logical axes.
+
+  Eager sharding is off: placement is decided once, by the jitted
+  initialiser's output shardings (bridge.shardings), on both sides alike.
+  """
+  return nnx.Param(value, **nnx_axes_metadata(logical_axes))
+
+
+def nnx_axes_metadata(logical_axes: Sequence[str | None]) -> dict[str, Any]:
+  """Variable metadata naming a parameter's logical axes, for stock layers'
+  `kernel_metadata=` and the like; eager sharding off, as in `nnx_param`."""
+  return {'out_sharding': tuple(logical_axes), 'eager_sharding': False}
+
+
+def nnx_logical_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+  """The logical axes of an NNX variable, whatever this flax calls them."""
+  metadata = variable.get_metadata()
+  for key in ('out_sharding', 'sharding_names', 'sharding'):
+    if metadata.get(key) is not None:
+      return tuple(metadata[key])
+  return None
+
+
+def mesh_is_active() -> bool:
+  """True inside a mesh context (activation constraints apply only then)."""
+  return meta.global_mesh_defined()
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: jax.sharding.Mesh) -> Iterator[jax.sharding.Mesh]:
+  """Makes `mesh` the context mesh for logical constraints and jit.
+
+  `jax.set_mesh` (not the deprecated `with mesh:`, which flax's constraint
+  helpers no longer see) on every supported jax.
+  """
+  with jax.set_mesh(mesh):
+    yield mesh
+
+
+def make_mesh(
+    shape: Sequence[int], axis_names: Sequence[str], devices: Sequence[jax.Device]
+) -> jax.sharding.Mesh:
+  """A mesh whose axes are all `Auto`: shardings come from annotations and XLA's
+  propagation, as with GSPMD. Newer jax defaults to `Explicit` axes, which
+  reject logical sharding constraints on activations.
+  """
+  auto = (jax.sharding.AxisType.Auto,) * len(axis_names)
+  return jax.make_mesh(tuple(shape), tuple(axis_names), devices=devices, axis_types=auto)
+
+
+def key_value(key: Any) -> Any:
+  """The plain value of a jax key-path entry (dict key, attribute, index)."""
+  for attr in ('key', 'idx', 'name'):
+    if hasattr(key, attr):
+      return getattr(key, attr)
+  return str(key)
+
+
+def nnx_variable_with_value(variable: nnx.Variable, value: Any) -> nnx.Variable:
+  """A copy of `variable` (type and metadata kept) holding `value`."""
+  return variable.copy(value)
+
+
+def kept_argument_indices(lowered: jax.stages.Lowered, num_leaves: int) -> list[int]:
+  """Which flattened arguments a lowered program kept (jit drops unused ones).
+
+  jax has no public accessor; its lowering records them under
+  `compile_args['kept_var_idx']` (jax 0.10 to 0.12). Without it, every
+  argument counts as kept.
+  """
+  lowering = getattr(lowered, '_lowering', None)
+  kept = getattr(lowering, 'compile_args', {}).get('kept_var_idx')
+  return sorted(kept) if kept is not None else list(range(num_leaves))
+
+
+def cache_compiles_of_every_process() -> bool:
+  """Lets every process of a multi-process run write jax's persistent cache.
+
+  jax writes cache entries from process 0 only (against write contention on
+  shared file systems). On CPU, each process computes its own keys (the
+  topology fingerprint in the key differs per process), so a process other
+  than 0 never finds an entry and compiles every program on every run while
+  process 0, which loaded its programs, waits for it at the first
+  collective. For runs whose processes share one machine (and so one cache
+  directory with jax's file lock) this wraps jax's private `_cache_write` to
+  write from every process, with jax's own checks: no entry for a program
+  with host callbacks or compiled faster than the configured minimum.
+
+  Returns False (and changes nothing) where this jax's `_cache_write` is not
+  the one this was written against: runs are then only slower.
+  """
+  import inspect
+  import warnings
+
+  from jax._src import compilation_cache, compiler, config, distributed
+
+  original = compiler._cache_write
+  if getattr(original, '_parity_every_process', False):
+    return True
+  signature = inspect.signature(original)
+  if list(signature.parameters)[:5] != ['cache_key', 'compile_time_secs', 'module_name', 'backend', 'executable']:
+    return False
+
+  def _cache_write(*args, **kwargs):
+    if distributed.global_state.process_id == 0:
+      return original(*args, **kwargs)
+    bound = signature.bind(*args, **kwargs).arguments
+    if bound.get('host_callbacks'):
+      return None
+    if bound['compile_time_secs'] < config.persistent_cache_min_compile_time_secs.value:
+      return None
+    try:
+      compilation_cache.put_executable_and_time(
+          bound['cache_key'], bound['module_name'], bound['executable'], bound['backend'],
+          int(bound['compile_time_secs']),
+      )
+    except Exception as e:  # as jax does: a failed write costs a compile later, nothing else
+      warnings.warn(f"persistent cache entry for {bound['module_name']!r} not written: {e!r}")
+    return None
+
+  _cache_write._parity_every_process = True
+  compiler._cache_write = _cache_write
+  return True
+
+
+def fresh_trace() -> Any:
+  """A context in which jit traces again instead of reusing a cached trace.
+
+  jit (and `nnx.jit`) keep each function's trace per argument types and
+  trace context. Set to a regex that removes nothing, jax's source-file
+  canonicalisation (part of the trace context; it touches debug locations
+  only) gives another context, so a step lowered in it is traced anew, e.g.
+  with its module calls named (parity/compare/scopes.py). A jax._src config state in
+  jax 0.10 to 0.12; no public API does this.
+  """
+  from jax._src import config
+
+  return config.hlo_source_file_canonicalization_regex('(?!)parity-fresh-trace')
+
+
+@contextlib.contextmanager
+def logical_constraint_names() -> Iterator[list[str]]:
+  """The logical axis names every `nn.with_logical_constraint` call in the block asks for.
+
+  flax resolves them through the rules inside the call and leaves a name the
+  rules do not know unsharded without a word, so a traced program shows no
+  trace of it. The private `flax.linen.spmd._with_sharding_constraint_one_fallback`
+  (flax 0.12.8 and 0.12.12), through which each call goes, is wrapped to see them.
+  """
+  from flax.linen import spmd
+
+  seen: list[str] = []
+  original = spmd._with_sharding_constraint_one_fallback
+
+  def recording(axis_resources, x, *args, **kwargs):
+    seen.extend(name for name in (axis_resources or ()) if isinstance(name, str))
+    return original(axis_resources, x, *args, **kwargs)
+
+  spmd._with_sharding_constraint_one_fallback = recording
+  try:
+    yield seen
+  finally:
+    spmd._with_sharding_constraint_one_fallback = original
+
+
+def jax_minor() -> str:
+  """jax's `major.minor` (records whose bits a jax release may change are kept per minor version)."""
+  return '.'.join(jax.__version__.split('.')[:2])

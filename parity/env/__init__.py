@@ -1,0 +1,1 @@
+"""The process's environment: XLA flags, the memory-map limit, garbage collection (no jax imported)."""

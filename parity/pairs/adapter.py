@@ -1,0 +1,311 @@
+"""The adapter API: what one side of a migration gives the battery.
+
+A `Side` is one framework's implementation of a model and its training: the
+reference decoder's sides (bridge/sides.py) and the stock-state sides
+(parity/pairs/stock.py) both implement it, and the runner, checkpoints, program
+comparison and the pytest plugin (parity/battery/plugin.py) take any pair of them.
+
+Everything crosses between sides through one flat checkpoint layout,
+`{path: array}`: states, gradients and shardings. A `Pair` declares the
+two sides of one migration, the data they train on, and any difference the
+user has proven inherent (`KnownDifference`), which the battery then
+asserts as a bound instead of bitwise equality, for that path only.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+import jax
+
+from parity.core import paths
+from parity.core import compat
+
+Flat = dict[str, Any]
+
+
+class BatchError(ValueError):
+  """A batch a side cannot place as asked (rows its mesh's batch axis cannot split evenly).
+
+  A user error: `parity compare` reports it in one line with exit status 2.
+  """
+
+
+@runtime_checkable
+class Side(Protocol):
+  """One side of a migration. States are pytrees; the step functions are compiled once.
+
+  Every member is needed by some part of the battery, `probe` by the
+  localizer only (a side without it runs every other part; `make_pair_sides`
+  names what a side lacks). parity/pairs/stock.py implements them for flax's
+  stock train states, bridge/sides.py for the reference decoder's own.
+
+  The checkpoint layout, which every state crosses sides in: `{path: array}`,
+  paths joined by `/`, the same paths on both sides (by convention the Linen
+  side's). Parameters are the paths under `params/` (`params/Dense_0/kernel`
+  from a stock `TrainState`), which the report counts and the localizer
+  reads by that prefix, and the keys of `value_and_grads`, `param_specs` and
+  a probe's `param_grads` are exactly the parameter paths `to_checkpoint`
+  gives; anything else (optimizer state, batch statistics, an EMA) goes
+  under names of your choice. `from_checkpoint` receives numpy or jax arrays of the
+  layout's shapes and dtypes (an Orbax restore, the other side's
+  `to_checkpoint`). `dropout_base` is one raw `uint32[2]` key per run, the
+  same for both sides; `dropout_key`, which `value_and_grads` and `probe`
+  receive, the step's key derived from it (`models.rng.step_key(dropout_base,
+  step, 0)`).
+  """
+
+  name: str  # 'linen' or 'nnx'
+  mesh: jax.sharding.Mesh | None  # where the side runs (None: one device)
+
+  def init(self, seed: int) -> Any:
+    """A fresh train state (in its target shardings on a mesh)."""
+
+  def place_batch(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """A batch of numpy arrays as the step takes it (split over the mesh's batch axis)."""
+
+  def train_step(self, state: Any, batch: Any, dropout_base: jax.Array) -> tuple[Any, Mapping[str, jax.Array]]:
+    """(next state, metrics with at least `loss`)."""
+
+  def eval_step(self, state: Any, batch: Any) -> Mapping[str, jax.Array]:
+    """Metrics of the model in eval mode."""
+
+  def value_and_grads(self, state: Any, batch: Any, dropout_key: jax.Array) -> tuple[Any, Flat]:
+    """(loss or (loss, aux), `{checkpoint path of a parameter: gradient}`) of one train-mode pass."""
+
+  def to_checkpoint(self, state: Any) -> Flat:
+    """The state in the checkpoint layout."""
+
+  def from_checkpoint(self, flat: Mapping[str, Any]) -> Any:
+    """A state from the checkpoint layout (placed in the side's shardings)."""
+
+  def abstract_checkpoint(self) -> dict[str, jax.ShapeDtypeStruct]:
+    """`{checkpoint path: ShapeDtypeStruct}` with the side's target sharding on a mesh."""
+
+  def param_specs(self) -> dict[str, tuple[str | None, ...]]:
+    """`{checkpoint path of a parameter: logical axis names}` (`()`: none declared)."""
+
+  def train_step_function(self) -> Callable[..., Any]:
+    """The traceable train step `(state, batch, dropout_base) -> (state, metrics)`.
+
+    The activation-spec check traces it (`jax.make_jaxpr`, nothing compiled
+    or run) to read every activation constraint's logical names.
+    """
+
+  def lower_train_step(self, state: Any, batch: Any, dropout_base: Any) -> jax.stages.Lowered:
+    """The train step lowered for these (possibly abstract) arguments."""
+
+  def comparison_state(self, state: Any) -> Any:
+    """The state the program comparison traces with (the allowed differences removed)."""
+
+  def argument_names(self, lowered: jax.stages.Lowered, state: Any, batch: Any, dropout_base: Any) -> list[str]:
+    """A name per argument of the lowered step, the same on both sides (checkpoint paths)."""
+
+  def probe(self, state: Any, batch: Any, dropout_key: jax.Array) -> 'Probe':
+    """Every module's forward output, output cotangent and parameter gradients (the localizer).
+
+    Optional. `parity.compare.localize.linen_probe(loss, has_aux, state, batch, key)`
+    records a state with `.params` and `loss(params, state, batch, key)`;
+    `parity.compare.localize.nnx_probe(loss, graphdef, state, batch, key, renames)`, a
+    state split from a `(model, anything)` pair and `loss(model, batch, key)`.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+  """What the localizer compares, keyed by module path in the checkpoint naming.
+
+  `order` lists module calls in forward execution order (`path#call` when a
+  module runs more than once); `unrecorded`, the modules called inside a
+  transformed body (a Linen `nn.scan` or `nn.remat` stack), whose values
+  cannot leave it.
+  """
+
+  order: list[str]
+  inputs: Flat  # each call's first argument (float arrays only)
+  outputs: Flat
+  cotangents: Flat
+  param_grads: Flat  # checkpoint path of a parameter -> gradient
+  unrecorded: tuple[str, ...] = ()
+
+
+# What a KnownDifference may declare: values of a pass ('grads', 'train',
+# 'eval'), the localizer's forward pass, the program, and its memory.
+PASSES = ('grads', 'train', 'eval', 'forward', 'program', 'memory')
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownDifference:
+  """A difference proven inherent to the frameworks, for the module paths it names only.
+
+  `paths`: checkpoint paths (or `prefix/*`) whose values may differ in
+  `passes` (any of 'grads', 'train', 'eval'), each within `max_ulp` units in
+  the last place; with 'forward', module paths where the localizer may find
+  the forward divergence starting, within `max_ulp`; or, with 'program' in `passes`, the modules whose stock
+  implementations lower differently: the canonical programs then differ
+  by at most `max_changed_lines` lines, and not at all once the operations
+  located in those modules are left out (what feeds the modules is still
+  compared; parity.compare.programs `opaque_modules`;
+  the NNX side names its module calls by their Linen paths, parity/compare/scopes.py,
+  in an optional `lower_for_comparison(state, batch, dropout_base)` as
+  StockNnx has; a side without it leaves nothing out). With 'memory' too (only
+  beside 'program': a lowering that differs may place its temporaries
+  differently), XLA's memory analysis of the train steps may differ in the
+  temporaries, and so the peak, by at most `max_temp_bytes` each; the
+  arguments, outputs and aliased bytes (the state) stay equal to the byte.
+  `reason` (the cause, with its evidence) goes into the report and every
+  failure message. A pass name the battery does not know is an error.
+  """
+
+  paths: tuple[str, ...]
+  passes: tuple[str, ...]
+  reason: str
+  max_ulp: int = 0
+  max_changed_lines: int = 0
+  max_temp_bytes: int = 0
+
+  def __post_init__(self):
+    for field in ('paths', 'passes'):
+      value = getattr(self, field)
+      if isinstance(value, str) or not value or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f'KnownDifference {field}: a non-empty tuple of strings, got {value!r}')
+    unknown = [p for p in self.passes if p not in PASSES]
+    if unknown:
+      raise ValueError(f'KnownDifference passes {unknown}: not passes the battery knows {PASSES}')
+    if 'memory' in self.passes and 'program' not in self.passes:
+      raise ValueError(
+          "KnownDifference passes: 'memory' only beside 'program' (memory may differ only where a"
+          ' declared program difference explains it)'
+      )
+
+  def admits_program(self, diff: Any, outside: Any) -> bool:
+    """The rule for a declared program difference, one place for the battery and the runner:
+    `diff` (parity.compare.programs.ProgramDiff of the two train steps) within `max_changed_lines`
+    and `outside` (the same with the declared modules' operations left out) identical."""
+    return ('program' in self.passes and diff.changed_lines <= self.max_changed_lines
+            and outside is not None and outside.identical)
+
+  def covers(self, path: str, pass_name: str) -> bool:
+    if pass_name not in self.passes:
+      return False
+    return any(path == p or (p.endswith('/*') and path.startswith(p[:-1])) for p in self.paths)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pair:
+  """The two sides of one migration, and what to train them on.
+
+  `make_sides(mesh)` returns `(linen side, nnx side)` placed on `mesh` (None:
+  one device); `batch(step, split)` gives a batch of numpy (or jax) arrays for
+  'train' or 'eval'. `meshes` are the mesh specs ('data=8', ...) the
+  sharded part runs on (axes `data`, `fsdp`, `tensor`: parity.core.specs.MESH_AXES; all of one size). `steps` is the length of the training runs.
+  `rules`: the logical axis rules of the model's parameters and activation
+  constraints; on each mesh every parameter must sit where the rules put
+  its logical axes (the sides shard by them: parity/pairs/stock.py takes `rules=`).
+  """
+
+  name: str
+  make_sides: Callable[[jax.sharding.Mesh | None], tuple[Side, Side]]
+  batch: Callable[[int, str], Mapping[str, Any]]
+  steps: int = 4
+  meshes: Sequence[str] = ('data=8',)
+  known_differences: tuple[KnownDifference, ...] = ()
+  seed: int = 0
+  parts: Sequence[str] | None = None  # the battery's parts for this pair (None: all)
+  group: str | None = None  # xdist group of its tests (default: parity-<name>)
+  # The logical axis rules the model's annotations are written against
+  # (`nn.with_logical_partitioning`, `nn.with_logical_constraint` names); None:
+  # the Linen side's `rules` if it has them, else, for activation constraints,
+  # the decoder's (parity.core.specs.DEFAULT_RULES), and for parameters none (replicated).
+  rules: Sequence[tuple[str, Any]] | None = None
+
+  def __post_init__(self):
+    # Zero steps would compare no training at all, and pass.
+    if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+      raise ValueError(f'Pair {self.name!r} steps: a whole number of train steps, 1 or more, got {self.steps!r}')
+    # A string would be taken as its characters, each a mesh spec.
+    if isinstance(self.meshes, str) or not all(isinstance(m, str) and m for m in self.meshes):
+      raise ValueError(f"Pair {self.name!r} meshes: a sequence of mesh specs such as ('data=8',), got {self.meshes!r}")
+
+  def program_difference(self) -> KnownDifference | None:
+    return next((d for d in self.known_differences if 'program' in d.passes), None)
+
+  def known(self, path: str, pass_name: str) -> KnownDifference | None:
+    for d in self.known_differences:
+      if d.covers(path, pass_name):
+        return d
+    return None
+
+
+class SideError(TypeError):
+  """A side that does not implement `Side`, or a step returning what `Side` does not say.
+
+  A user error: the message names the side, the member and what `Side` asks.
+  """
+
+
+def side_members() -> list[str]:
+  """The attributes and methods `Side` declares."""
+  return list(Side.__annotations__) + [
+      k for k, v in vars(Side).items() if callable(v) and not k.startswith('_')]
+
+
+# Only the localizer calls `probe`: a side without it runs every other part (the
+# localize part fails naming it, and failures carry no localizer finding).
+OPTIONAL_MEMBERS = ('probe',)
+
+
+def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side, Side]:
+  """`pair.make_sides(mesh)`, checked: two sides, each with every member of `Side` but the optional."""
+  sides = pair.make_sides(mesh)
+  if not isinstance(sides, (tuple, list)) or len(sides) != 2:
+    raise SideError(f'{pair.name}: make_sides(mesh) returned {type(sides).__name__}, not (linen side, nnx side)')
+  for role, side in zip(('Linen', 'NNX'), sides):
+    missing = [m for m in side_members() if m not in OPTIONAL_MEMBERS and not hasattr(side, m)]
+    if missing:
+      raise SideError(
+          f'{pair.name}: the {role} side ({type(side).__name__}) lacks {", ".join(missing)} of'
+          ' parity.pairs.adapter.Side (each one\'s docstring says what it takes and returns; parity.pairs.stock'
+          ' implements them for flax\'s stock train states)')
+  return tuple(sides)
+
+
+def checked_metrics(pair_name: str, side: Side, step: str, metrics: Any, need_loss: bool) -> dict[str, Any]:
+  """A step's metrics as a dict, or a SideError saying what `Side` asks of them."""
+  if not isinstance(metrics, Mapping):
+    what = paths.describe(metrics) if hasattr(metrics, 'dtype') else type(metrics).__name__
+    raise SideError(f'{pair_name}: the {side.name} side\'s {step} returned {what},'
+                    ' not a mapping of metric names to arrays')
+  if need_loss and 'loss' not in metrics:
+    raise SideError(f'{pair_name}: the {side.name} side\'s {step} returned metrics {sorted(metrics)}'
+                    ' without `loss` (Side.train_step: metrics with at least `loss`)')
+  return dict(metrics)
+
+
+def check_structure(name: str, linen: Side, nnx_side: Side) -> None:
+  """Raises the bridge's TreeMismatchError naming every path where the two sides' states
+  differ in the checkpoint layout (a path on one side only, another shape or dtype)."""
+  paths.check_leaves(
+      f'{name}: NNX state vs Linen state (checkpoint layout)',
+      linen.abstract_checkpoint(), nnx_side.abstract_checkpoint(),
+  )
+
+
+def step_argument_names(
+    lowered: jax.stages.Lowered, state: Any, batch: Mapping[str, Any],
+    checkpoint_leaves: Callable[[Any], dict[str, Any]],
+) -> list[str]:
+  """A name per argument of a lowered `step(state, batch, dropout_base)`'s `@main`.
+
+  A state leaf is named by its checkpoint path (`checkpoint_leaves` maps a
+  tree shaped like the state to `{checkpoint path: leaf}`), a batch entry
+  `batch/<key>`, the key `dropout_base`; arguments jit dropped as unused have
+  no entry. Both sides name the same argument alike, whatever their order.
+  """
+  leaves, treedef = jax.tree.flatten(state)
+  index_tree = jax.tree.unflatten(treedef, list(range(len(leaves))))
+  names = [''] * len(leaves)
+  for path, index in checkpoint_leaves(index_tree).items():
+    names[index] = path
+  names += [f'batch/{key}' for key in sorted(batch)] + ['dropout_base']
+  return [names[i] for i in compat.kept_argument_indices(lowered, len(names))]

@@ -1,0 +1,386 @@
+"""Sides for stock flax train states: the adapter a user's migration needs no code for.
+
+`StockLinen` drives a `flax.training.train_state.TrainState` (extra
+collection fields such as `batch_stats` included); `StockNnx` drives the
+stateful NNX idiom: a `(model, nnx.Optimizer)` pair and a step that updates
+them in place. The user passes their own functions (state creation, train
+and eval steps, train-mode loss); these classes only adapt calling
+conventions (the NNX objects are split into a graphdef and a pure state
+once, and merged inside each compiled call) and map states to the
+checkpoint layout through parity/pairs/stock_layout.py.
+
+On a mesh each batch is split along its first axis over the side's
+`batch_axis` (default `data`). The state is replicated (data parallel), unless the side is given
+logical axis `rules`: then every state leaf whose parameter carries logical
+axis names (Linen `nn.with_logical_partitioning`, NNX `out_sharding`
+metadata; optimizer moments inherit them on both sides) is sharded as the
+rules resolve them, in each framework's own idiom (`nn.get_partition_spec`,
+`nnx.get_partition_spec`), and the steps are traced under the mesh and the
+rules, so `nn.with_logical_constraint` on activations applies too.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax import nnx
+from flax.core import meta
+
+from parity.core import paths
+from parity.pairs import stock_layout as bridge_stock
+from parity.core.state import NNX_STEP_DTYPE
+from parity.core import compat
+from parity.pairs import adapter
+from parity.compare import localize
+from parity.compare import scopes
+
+
+def _replicated(mesh, tree):
+  return jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree)
+
+
+class _Stock:
+  """What both stock sides share: placement on a mesh and the checkpoint view."""
+
+  mesh: jax.sharding.Mesh | None
+  batch_axis: str
+  rules: tuple[tuple[str, Any], ...] | None
+
+  @functools.cached_property
+  def state_shardings(self) -> Any:
+    """The state's target shardings (a prefix of the state's tree); None off a mesh."""
+    if self.mesh is None:
+      return None
+    if self.rules is None:
+      return _replicated(self.mesh, self.template)
+    return nn.logical_to_mesh_sharding(self._logical_specs(), self.mesh, self._rule_list)
+
+  @property
+  def _rule_list(self) -> list[tuple[str, Any]]:
+    """The rules as flax takes them (none: no logical name maps to a mesh axis)."""
+    return [tuple(r) for r in self.rules or ()]
+
+  def batch_sharding(self) -> Any:
+    if self.mesh is None:
+      return None
+    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.batch_axis))
+
+  def place(self, state: Any) -> Any:
+    return state if self.mesh is None else jax.device_put(state, self.state_shardings)
+
+  def place_batch(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+    sharding = self.batch_sharding()
+    if sharding is None:
+      return {k: jax.numpy.asarray(v) for k, v in batch.items()}
+    ways = self.mesh.shape[self.batch_axis]
+    for k, v in batch.items():
+      shape = np.shape(v)
+      if not shape or shape[0] % ways:
+        rows = f'{shape[0]} rows' if shape else 'no batch dimension'
+        raise adapter.BatchError(
+            f'batch entry {k!r} ({paths.describe(np.asarray(v))}) has {rows}: the mesh\'s {self.batch_axis!r} axis'
+            f' splits the batch over {ways} devices, evenly only. Give the pair a batch whose first'
+            f' dimension divides by {ways}, or other meshes: Pair(meshes=...), pytest --parity-mesh,'
+            f' parity compare --mesh'
+        )
+    return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+
+  def checkpoint_shardings(self) -> dict[str, Any]:
+    return self._checkpoint_leaves(self.state_shardings)
+
+  def abstract_checkpoint(self) -> dict[str, jax.ShapeDtypeStruct]:
+    flat = self.to_checkpoint(self.template)
+    shardings = self.checkpoint_shardings() if self.mesh is not None else {}
+    return {
+        p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings.get(p)) for p, x in flat.items()
+    }
+
+  def _jit(self, fn, state_out: bool):
+    if self.mesh is None:
+      return jax.jit(fn)
+    out = (self.state_shardings, None) if state_out else None
+    return jax.jit(fn, out_shardings=out)
+
+  def train_step(self, state, batch, dropout_base):
+    with self._context():
+      return self._train_step(state, batch, dropout_base)
+
+  def eval_step(self, state, batch):
+    with self._context():
+      return self._eval_step(state, batch)
+
+  def value_and_grads(self, state, batch, dropout_key):
+    with self._context():
+      return self._value_and_grads(state, batch, dropout_key)
+
+  def train_step_function(self):
+    return self._train_step
+
+  def lower_train_step(self, state, batch, dropout_base) -> jax.stages.Lowered:
+    with self._context():
+      return self._train_step.lower(state, batch, dropout_base)
+
+  @contextlib.contextmanager
+  def _context(self):
+    """The mesh (and the rules, if given) while tracing; nothing off a mesh."""
+    if self.mesh is None:
+      yield
+      return
+    with compat.use_mesh(self.mesh), nn.logical_axis_rules(self._rule_list):
+      yield
+
+  def argument_names(self, lowered, state, batch, dropout_base) -> list[str]:
+    return adapter.step_argument_names(lowered, state, batch, self._checkpoint_leaves)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StockLinen(_Stock):
+  """A Linen side over a stock `TrainState`.
+
+  create(seed) -> TrainState; train_step(state, batch, dropout_base) ->
+  (state, metrics); eval_step(state, batch) -> metrics; loss(params, state,
+  batch, dropout_key) -> loss, or (loss, aux) with `has_aux`.
+  """
+
+  create: Callable[[int], Any]
+  train_step_fn: Callable[..., Any]
+  eval_step_fn: Callable[..., Any]
+  loss: Callable[..., Any]
+  has_aux: bool = False
+  mesh: jax.sharding.Mesh | None = None
+  batch_axis: str = 'data'
+  rules: tuple[tuple[str, Any], ...] | None = None  # logical axis rules (None: replicate the state)
+  name: str = 'linen'
+
+  @functools.cached_property
+  def _boxed_template(self) -> Any:
+    """`create`'s state as ShapeDtypeStructs, logical-axis boxes (if any) kept: the specs."""
+    return jax.eval_shape(lambda: self.create(0))
+
+  @functools.cached_property
+  def template(self) -> Any:
+    """The state as trained: parameters (and moments) unboxed.
+
+    The idiom of flax's sharded training: boxes give the specs, plain arrays
+    train. Trained boxed, every parameter read would add a sharding
+    constraint (`LogicallyPartitioned.unbox` under a mesh) that NNX's
+    variables do not, and the two programs would differ by those.
+    """
+    return meta.unbox(self._boxed_template)
+
+  def init(self, seed: int) -> Any:
+    # A TrainState's treedef holds `apply_fn` and `tx`, which compare by
+    # identity: every state of this side takes the template's.
+    # (`TrainState.create` leaves the step a Python int: an array like every leaf.)
+    leaves = [jax.numpy.asarray(x) for x in jax.tree.leaves(meta.unbox(self.create(seed)))]
+    return self.place(jax.tree.unflatten(jax.tree.structure(self.template), leaves))
+
+  @functools.cached_property
+  def _train_step(self):
+    return self._jit(self.train_step_fn, state_out=True)
+
+  @functools.cached_property
+  def _eval_step(self):
+    return self._jit(self.eval_step_fn, state_out=False)
+
+  @functools.cached_property
+  def _value_and_grads(self):
+    grad = jax.value_and_grad(self.loss, has_aux=self.has_aux)
+
+    def fn(state, batch, key):
+      value, grads = grad(state.params, state, batch, key)
+      loss = value[0] if self.has_aux else value
+      return loss, {'params/' + p: g for p, g in paths.flatten(grads).items()}
+
+    return jax.jit(fn)
+
+  def _checkpoint_leaves(self, tree) -> dict[str, Any]:
+    return paths.flatten(tree)
+
+  def to_checkpoint(self, state) -> dict[str, Any]:
+    return bridge_stock.linen_to_checkpoint(state)
+
+  def from_checkpoint(self, flat) -> Any:
+    return self.place(bridge_stock.checkpoint_to_linen(flat, self.template))
+
+  def _logical_specs(self) -> Any:
+    return nn.get_partition_spec(self._boxed_template)
+
+  def param_specs(self) -> dict[str, tuple]:
+    """Logical axis names of boxed parameters (`nn.with_logical_partitioning`); `()` if none."""
+    specs = nn.get_partition_spec(self._boxed_template.params)
+    flat = paths.items(specs, lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return {'params/' + p: tuple(spec) for p, spec in flat}
+
+  def comparison_state(self, state):
+    """The step counter typed as `nnx.Optimizer`'s (parity.compare.programs.STEP_COUNTER_DTYPE)."""
+    step = jax.ShapeDtypeStruct((), NNX_STEP_DTYPE, sharding=getattr(state.step, 'sharding', None))
+    return state.replace(step=step)
+
+  def probe(self, state, batch, dropout_key) -> adapter.Probe:
+    with self._context():
+      return localize.linen_probe(self.loss, self.has_aux, state, batch, dropout_key)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StockNnx(_Stock):
+  """An NNX side over `(model, nnx.Optimizer)` and stateful steps.
+
+  create(seed) -> (model, optimizer); train_step(model, optimizer, batch,
+  dropout_base) -> metrics (updating both in place); eval_step(model,
+  batch) -> metrics (`eval_step(model, optimizer, batch)` with
+  `eval_sees_optimizer`); loss(model, batch, dropout_key) -> loss. `renames`
+  maps NNX module paths to Linen's in the checkpoint layout; `collections`
+  maps each NNX variable type of the model to the Linen collection (train
+  state field) it is stored in (default: `nnx.Param` -> params,
+  `nnx.BatchStat` -> batch_stats).
+
+  `nnx_only`: variable types of state only the NNX side has (default: the
+  RNG streams a layer given `rngs=` keeps, `nnx.RngState`; a Linen
+  TrainState keeps none). They stay in the side's state and its programs,
+  out of the checkpoint layout and so out of every comparison of numbers; a
+  state made from a checkpoint takes them as `create(0)` makes them. The
+  programs and memory are compared as they are: the NNX step carries that
+  state in and out (arguments named `nnx-only/<path>`).
+  """
+
+  create: Callable[[int], Any]
+  train_step_fn: Callable[..., Any]
+  eval_step_fn: Callable[..., Any]
+  loss: Callable[..., Any]
+  renames: bridge_stock.Renames = bridge_stock.Renames()
+  mesh: jax.sharding.Mesh | None = None
+  batch_axis: str = 'data'
+  rules: tuple[tuple[str, Any], ...] | None = None  # logical axis rules (None: replicate the state)
+  name: str = 'nnx'
+  collections: tuple[tuple[type, str], ...] = bridge_stock.DEFAULT_COLLECTIONS
+  # (optimizer attribute, Linen train-state field): what the optimizer holds besides
+  # step and opt_state, e.g. (('ema', 'ema_params'),) (parity.pairs.stock_layout.nnx_to_checkpoint).
+  optimizer_fields: tuple[tuple[str, str], ...] = ()
+  # eval_step(model, optimizer, batch) instead of eval_step(model, batch): an eval of
+  # what the optimizer holds (an EMA), as a Linen eval_step sees the whole TrainState.
+  eval_sees_optimizer: bool = False
+  nnx_only: tuple[type, ...] = (nnx.RngState,)
+
+  @functools.cached_property
+  def _abstract(self):
+    return nnx.eval_shape(lambda: nnx.split(self.create(0)))
+
+  @property
+  def graphdef(self):
+    return self._abstract[0]
+
+  @property
+  def template(self):
+    return self._abstract[1]
+
+  def init(self, seed: int) -> Any:
+    return self.place(nnx.split(self.create(seed))[1])
+
+  def _merge(self, state):
+    return nnx.merge(self.graphdef, state)
+
+  def _train_fn(self, state, batch, dropout_base):
+    model, optimizer = self._merge(state)
+    metrics = self.train_step_fn(model, optimizer, batch, dropout_base)
+    return nnx.state((model, optimizer)), metrics
+
+  @functools.cached_property
+  def _train_step(self):
+    return self._jit(self._train_fn, state_out=True)
+
+  def lower_for_comparison(self, state, batch, dropout_base) -> jax.stages.Lowered:
+    """The train step traced anew with every module call named by its Linen path.
+
+    Only the debug locations differ from `lower_train_step` (parity/compare/scopes.py);
+    the program comparison reads them to keep a declared difference inside its modules.
+    """
+    sample = self._merge(self.template)[0]
+    # Traced anew: in the same trace context every jit, the user's `nnx.jit` too, reuses its trace.
+    with compat.fresh_trace(), scopes.nnx_module_scopes(sample, self.renames.to_linen):
+      return self.lower_train_step(state, batch, dropout_base)
+
+  @functools.cached_property
+  def _eval_step(self):
+    def fn(state, batch):
+      model, optimizer = self._merge(state)
+      if self.eval_sees_optimizer:
+        return self.eval_step_fn(model, optimizer, batch)
+      return self.eval_step_fn(model, batch)
+
+    return self._jit(fn, state_out=False)
+
+  @functools.cached_property
+  def _value_and_grads(self):
+    def fn(state, batch, key):
+      model, _ = self._merge(state)
+      loss, grads = nnx.value_and_grad(self.loss)(model, batch, key)
+      return loss, {
+          'params/' + self.renames.to_linen(p): g for p, g in paths.flatten(grads).items()
+      }
+
+    return jax.jit(fn)
+
+  def _checkpoint_leaves(self, tree) -> dict[str, Any]:
+    return bridge_stock.nnx_to_checkpoint(
+        tree, self.renames, nnx_template=self.template, collections=self.collections, convert=False,
+        fields=self.optimizer_fields, nnx_only=self.nnx_only,
+    )
+
+  def to_checkpoint(self, state) -> dict[str, Any]:
+    return bridge_stock.nnx_to_checkpoint(
+        state, self.renames, collections=self.collections, fields=self.optimizer_fields,
+        nnx_only=self.nnx_only)
+
+  @functools.cached_property
+  def _nnx_only_paths(self) -> set[str]:
+    return bridge_stock.nnx_only_paths(self.template, self.nnx_only)
+
+  def rng_stream_paths(self) -> list[str]:
+    """The model's RNG-stream variables kept as `nnx_only` state, by their Linen paths
+    (`renames.to_linen`, e.g. `Dropout_0/rngs/key`): what a layer drawing from a stream
+    kept in the model reads, which a Linen `TrainState` does not hold."""
+    streams = bridge_stock.nnx_only_paths(self.template, (nnx.RngState,)) & self._nnx_only_paths
+    return sorted(self.renames.to_linen(p.split('/', 1)[1]) for p in streams if p.startswith('0/'))
+
+  @functools.cached_property
+  def _nnx_only_state(self) -> Any:
+    """The state of the `nnx_only` types as `create(0)` makes it (None if there is none)."""
+    if not self._nnx_only_paths:
+      return None
+    return nnx.split(self.create(0), nnx.Any(*self.nnx_only), ...)[1]
+
+  def from_checkpoint(self, flat) -> Any:
+    return self.place(bridge_stock.checkpoint_to_nnx(
+        flat, self.template, self.renames, self.collections, self.optimizer_fields,
+        nnx_only=self.nnx_only, nnx_only_state=self._nnx_only_state))
+
+  def argument_names(self, lowered, state, batch, dropout_base) -> list[str]:
+    """Checkpoint paths, and `nnx-only/<path>` for the state no checkpoint holds."""
+    def leaves(tree):
+      flat = paths.flatten(tree)
+      return {**self._checkpoint_leaves(tree), **{f'nnx-only/{p}': flat[p] for p in self._nnx_only_paths}}
+
+    return adapter.step_argument_names(lowered, state, batch, leaves)
+
+  def _logical_specs(self) -> Any:
+    return nnx.get_partition_spec(self.template)
+
+  def param_specs(self) -> dict[str, tuple]:
+    model_params = nnx.state(nnx.eval_shape(lambda: self.create(0)[0]), nnx.Param)
+    return {
+        'params/' + self.renames.to_linen(p): compat.nnx_logical_axes(v) or ()
+        for p, v in paths.items(model_params, lambda x: isinstance(x, nnx.Variable))
+    }
+
+  def comparison_state(self, state):
+    return state
+
+  def probe(self, state, batch, dropout_key) -> adapter.Probe:
+    with self._context():
+      return localize.nnx_probe(self.loss, self.graphdef, state, batch, dropout_key, self.renames)

@@ -1,0 +1,1 @@
+"""Several processes as one run: a loopback launcher and jax.distributed helpers."""

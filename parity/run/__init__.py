@@ -1,0 +1,1 @@
+"""Side-by-side runs, their report, and the `parity` command line."""

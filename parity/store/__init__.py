@@ -1,0 +1,1 @@
+"""Checkpoints on disk: Orbax save and restore across sides, and the streaming converter."""
