@@ -7,6 +7,10 @@ from models.config import SCENARIOS, get_preset
 from bridge.sides import make_sides
 from tests import tiers
 
+# Projects that tests copy elsewhere and run there (a user's own `models.py` and
+# `bridge.py` among them): never collected here.
+collect_ignore = ['fixtures']
+
 
 @pytest.fixture(scope='session')
 def tiny_cfgs():

@@ -141,25 +141,6 @@ def test_no_flags_were_set():
   pytester.runpytest_subprocess('-p', 'no:cacheprovider').assert_outcomes(passed=1)
 
 
-def test_a_projects_own_models_package_is_named_when_the_kit_is_used(tmp_path):
-  """A project with its own top-level `models` package (common in flax projects) running
-  from its directory: importing the kit says which `models` came first, instead of
-  failing inside the bridge; the plugin alone, with no pair, leaves the project alone."""
-  import subprocess
-  import sys
-
-  (tmp_path / 'models').mkdir()
-  (tmp_path / 'models' / '__init__.py').write_text('')
-  used = subprocess.run([sys.executable, '-c', 'from parity.pairs.adapter import Pair'], cwd=tmp_path,
-                        capture_output=True, text=True)
-  assert used.returncode == 1
-  assert (f'ImportError: linen-nnx-parity: the top-level package `models` is imported from'
-          f' {tmp_path / "models"}, not from this kit') in used.stderr, used.stderr
-  unused = subprocess.run([sys.executable, '-c', 'import parity.battery.plugin'], cwd=tmp_path,
-                          capture_output=True, text=True)
-  assert unused.returncode == 0, unused.stderr
-
-
 @pytest.mark.parametrize('dist', [None, 'load'], ids=['default', 'given'])
 def test_under_n_a_pairs_group_stays_on_one_worker_unless_a_distribution_is_given(pytester, dist):
   """xdist distributes by `load` under `-n`, spreading a pair's tests over the workers (each
