@@ -889,18 +889,17 @@ assert specs.physical_spec(('embed_vocab', 'vocab'), my_rules, mesh_sizes) != \
 # states need only your own functions:
 #
 # ```python
-# from parity.pairs.stock_layout import Renames
-# from parity.pairs.adapter import Pair
-# from parity.pairs.stock import StockLinen, StockNnx
+# import parity
 #
 # def make_sides(mesh):
-#     return (StockLinen(my_linen.create_train_state, my_linen.train_step, my_linen.eval_step,
-#                        my_linen.loss_fn, mesh=mesh),
-#             StockNnx(my_nnx.create_train_state, my_nnx.train_step, my_nnx.eval_step,
-#                      my_nnx.loss_fn, renames=Renames((('Dense_0', 'up'), ('Dense_1', 'down'))),
-#                      mesh=mesh))
+#     return (parity.StockLinen(my_linen.create_train_state, my_linen.train_step,
+#                               my_linen.eval_step, my_linen.loss_fn, mesh=mesh),
+#             parity.StockNnx(my_nnx.create_train_state, my_nnx.train_step, my_nnx.eval_step,
+#                             my_nnx.loss_fn,
+#                             renames=parity.Renames((('Dense_0', 'up'), ('Dense_1', 'down'))),
+#                             mesh=mesh))
 #
-# my_model = Pair('my_model', make_sides, batch=my_batch)  # batch(step, split) -> numpy dict
+# my_model = parity.Pair('my_model', make_sides, batch=my_batch)  # batch(step, split) -> numpy dict
 # ```
 #
 # An NNX model that keeps RNG streams (a layer made with `rngs=`, such as

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import functools
 
+from parity import Pair
 from models import data
 from models.config import SCENARIOS, get_configs
-from parity.pairs.adapter import Pair
 from bridge.sides import make_sides
 
 STEPS = 10  # as the runner's side-by-side runs (tests/runs.py)

@@ -22,13 +22,11 @@ import jax
 import numpy as np
 import pytest
 
-from parity.pairs.stock_layout import Renames
+from parity import KnownDifference, Pair, Renames, StockLinen, StockNnx
 from models.families import ClassifierConfig, classifier_batch
 from models.linen import classifier as linen_classifier
 from models.nnx import classifier as nnx_classifier
 from parity.run import runner
-from parity.pairs.adapter import KnownDifference, Pair
-from parity.pairs.stock import StockLinen, StockNnx
 from tests import ema
 
 CFG = ClassifierConfig()

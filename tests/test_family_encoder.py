@@ -25,12 +25,10 @@ import functools
 import pytest
 
 from parity.core import specs
-from parity.pairs.stock_layout import Renames
+from parity import KnownDifference, Pair, Renames, StockLinen, StockNnx
 from models.families import ENCODER_RULES, EncoderConfig, encoder_batch
 from models.linen import encoder as linen_encoder
 from models.nnx import encoder as nnx_encoder
-from parity.pairs.adapter import KnownDifference, Pair
-from parity.pairs.stock import StockLinen, StockNnx
 from tests import ema
 
 CFG = EncoderConfig()
