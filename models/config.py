@@ -216,6 +216,21 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              (('logits_via_embedding', True),)),
     Scenario('10_scan_axis0', 'NNX stacks layers on axis 0, Linen on axis 1',
              (('nnx_param_scan_axis', 0),)),
+    # The core tier's two scenarios (tests/tiers.py): every feature above that composes, in
+    # two scenarios because fp8 and gradient accumulation cannot share one (both models
+    # refuse the pair). 10_scan_axis0's layout, which differs by design, is left out.
+    Scenario('11_composite_accum',
+             '06_grad_accum (4 microbatches, dropout 0.1) with remat saving dots, eval every'
+             ' 2 steps on 2 held-out batches, bfloat16 weights and tied logits',
+             (('dropout_rate', 0.1), ('remat_policy', 'save_dots'),
+              ('weight_dtype', 'bfloat16'), ('logits_via_embedding', True)),
+             (('grad_accum_steps', 4), ('eval_every', 2), ('eval_batches', 2))),
+    Scenario('12_composite_fp8',
+             '05_fp8 with layers unrolled, dropout 0.1, full remat and eval every 2 steps on'
+             ' 2 held-out batches',
+             (('quantization', 'fp8'), ('scan_layers', False), ('dropout_rate', 0.1),
+              ('remat_policy', 'full')),
+             (('eval_every', 2), ('eval_batches', 2))),
 )}
 
 

@@ -148,11 +148,14 @@ def test_bad_input_exits_2_with_one_message(capsys, argv, message):
   assert len(err.strip().splitlines()) == 1
 
 
-def _readme_commands() -> list[str]:
-  """Every `parity ...` example line in README.md's code blocks (synopses left out)."""
-  readme = (pathlib.Path(__file__).parent.parent / 'README.md').read_text()
+REPO = pathlib.Path(__file__).parent.parent
+DOCS = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
+
+
+def _doc_commands(path: pathlib.Path) -> list[str]:
+  """Every `parity ...` example line in a Markdown file's code blocks (synopses left out)."""
   lines, in_block = [], False
-  for line in readme.splitlines():
+  for line in path.read_text().splitlines():
     if line.startswith('```'):
       in_block = not in_block
     else:
@@ -162,11 +165,17 @@ def _readme_commands() -> list[str]:
   return lines
 
 
-def test_readme_parity_commands_parse_with_valid_values():
-  """The README's examples use options the command has, with values it accepts."""
-  commands = _readme_commands()
-  assert len(commands) >= 12, commands
-  for command in commands:
+def test_readme_and_docs_have_parity_examples():
+  """The examples the next test checks are there: the README's and the docs pages'."""
+  assert len(DOCS) > 1, DOCS
+  assert _doc_commands(REPO / 'README.md')
+  assert sum(len(_doc_commands(path)) for path in DOCS) >= 12
+
+
+@pytest.mark.parametrize('path', DOCS, ids=[str(p.relative_to(REPO)) for p in DOCS])
+def test_readme_and_docs_parity_commands_parse_with_valid_values(path):
+  """The examples in README.md and docs/*.md use options the command has, with values it accepts."""
+  for command in _doc_commands(path):
     args = cli.build_parser().parse_args(shlex.split(command)[1:])
     if getattr(args, 'preset', None) is not None:
       assert args.preset in PRESETS, command
@@ -287,7 +296,7 @@ def test_compare_of_a_pair_whose_states_differ_exits_1_naming_every_path(monkeyp
   def sides(mesh):
     linen, nnx_side = classifier.make_sides(classifier.CFG, mesh)
     rules = tuple(r for r in classifier.RENAMES.rules if r[0] != 'Dense_0')
-    return linen, dataclasses.replace(nnx_side, renames=Renames(rules))
+    return linen, dataclasses.replace(nnx_side, renames=Renames(rules), infer_renames=False)
 
   monkeypatch.setattr(cli, '_load_pair', lambda spec: dataclasses.replace(classifier.classifier, make_sides=sides))
   report = tmp_path / 'report.json'

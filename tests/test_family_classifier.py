@@ -55,9 +55,8 @@ def make_sides(cfg, mesh):
   )
   nnx_side = StockNnx(
       functools.partial(nnx_classifier.create_train_state, cfg),
-      nnx_classifier.train_step, nnx_classifier.eval_step, nnx_classifier.loss_fn,
-      renames=RENAMES, mesh=mesh,
-  )
+      nnx_classifier.train_step, nnx_classifier.eval_step, nnx_classifier.loss_fn, mesh=mesh,
+  )  # no renames: the kit infers them (RENAMES, tested below)
   return linen, nnx_side
 
 
@@ -220,7 +219,7 @@ def test_a_structure_mismatch_is_a_failure_naming_every_path():
   def make_broken(mesh):
     linen, nnx_side = make_sides(CFG, mesh)
     rules = tuple(r for r in RENAMES.rules if r[0] != 'Dense_0')
-    return linen, dataclasses.replace(nnx_side, renames=Renames(rules))
+    return linen, dataclasses.replace(nnx_side, renames=Renames(rules), infer_renames=False)
 
   broken = Pair('missing_rename', make_broken, functools.partial(classifier_batch, CFG))
   with pytest.raises(AssertionError) as e:
@@ -563,7 +562,7 @@ def test_every_part_that_runs_a_state_stops_at_a_structure_that_differs():
   def sides(mesh):
     linen, nnx_side = make_sides(CFG, mesh)
     rules = tuple(r for r in RENAMES.rules if r[0] != 'Dense_0')
-    return linen, dataclasses.replace(nnx_side, renames=Renames(rules))
+    return linen, dataclasses.replace(nnx_side, renames=Renames(rules), infer_renames=False)
 
   pair = Pair('renamed', sides, functools.partial(classifier_batch, CFG))
   with pytest.raises(AssertionError, match=r'params/Dense_0/kernel: missing'):

@@ -62,8 +62,8 @@ def make_sides(cfg, mesh):
   nnx_side = StockNnx(
       functools.partial(nnx_encoder.create_train_state, cfg),
       nnx_encoder.train_step, nnx_encoder.eval_step, nnx_encoder.loss_fn,
-      renames=RENAMES, mesh=mesh, rules=ENCODER_RULES,
-  )
+      mesh=mesh, rules=ENCODER_RULES,
+  )  # no renames: the kit infers them (RENAMES, tested in tests/test_correspond.py)
   return linen, nnx_side
 
 

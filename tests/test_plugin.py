@@ -31,7 +31,7 @@ def broken_sides(mesh):
   )
 
 
-broken = Pair('broken', broken_sides, functools.partial(classifier_batch, CFG))
+broken = parity.Pair('broken', broken_sides, functools.partial(classifier_batch, CFG))
 '''
 
 
@@ -105,7 +105,7 @@ def test_an_unknown_part_is_a_usage_error(user_project, option, message):
 @pytest.mark.parametrize('parts', ["'grads'", "('grad', 'train')"], ids=['a_string', 'a_misspelt_name'])
 def test_a_pair_with_an_unknown_part_fails_collection(user_project, parts):
   """Not a pair with fewer tests, or none, in silence."""
-  user_project.makepyfile(test_typo=readme_example() + f"\ntypo = Pair('typo', make_sides, functools.partial(classifier_batch, CFG), parts={parts})\n")
+  user_project.makepyfile(test_typo=readme_example() + f"\ntypo = parity.Pair('typo', make_sides, functools.partial(classifier_batch, CFG), parts={parts})\n")
   result = user_project.runpytest_subprocess('--collect-only', '-q', '-p', 'no:cacheprovider', 'test_typo.py')
   assert result.ret == pytest.ExitCode.INTERRUPTED, result.outlines  # pytest's status for collection errors
   result.stdout.fnmatch_lines([

@@ -155,10 +155,10 @@ def test_scenario_specs_agree(scenario):
   assert tables.param_count(linen_rows) == model_cfg.param_count()
   paths = {r['path'] for r in linen_rows}
   dtypes = {r['dtype'] for r in linen_rows + nnx_rows}
-  assert dtypes == {'bfloat16' if scenario == '08_bf16_weights' else 'float32'}
-  assert any('logits_dense' in p for p in paths) == (scenario != '09_tied_logits')
-  assert any('/layers_1/' in p for p in paths) == (scenario == '02_unscanned')
-  if scenario == '10_scan_axis0':
+  assert dtypes == {model_cfg.weight_dtype}
+  assert any('logits_dense' in p for p in paths) == (not model_cfg.logits_via_embedding)
+  assert any('/layers_1/' in p for p in paths) == (not model_cfg.scan_layers)
+  if layout_for(model_cfg).moves:  # 10_scan_axis0
     differing = [a['path'] for a, b in zip(linen_rows, nnx_rows) if a != b]
     assert differing and all('/layers/' in p for p in differing)
 
@@ -252,19 +252,21 @@ def test_remat_policies_agree():
     assert abs(a - b) <= 2.0**-10 * abs(a), (step, a, b)
 
 
-EVAL_SCENARIO = '07_eval'
+# The scenarios that evaluate between train steps (`eval_every`): 07_eval and the core
+# tier's composites (tests/tiers.py).
+EVAL_SCENARIOS = [s for s in sorted(SCENARIOS) if get_configs('tiny', s)[1].eval_every]
 
 
 @functools.cache
-def _eval_run():
-  """07_eval: both sides train 10 steps; every `eval_every` steps both evaluate.
+def _eval_run(scenario):
+  """`scenario` (07_eval, ...): both sides train 10 steps; every `eval_every` steps both evaluate.
 
   Returns (per-side train losses, eval rounds, held-out batches). Each round
   is (after how many steps, [(linen, nnx) metrics per held-out batch], both
   states in the checkpoint layout before the round, and after it).
   """
-  model_cfg, train_cfg = get_configs('tiny', EVAL_SCENARIO)
-  (linen, nnx_side), (linen_state, nnx_state) = start(EVAL_SCENARIO)
+  model_cfg, train_cfg = get_configs('tiny', scenario)
+  (linen, nnx_side), (linen_state, nnx_state) = start(scenario)
   base = rng.base_key(0)
   held_out = [
       as_jax_batch(data.make_batch(model_cfg, train_cfg, i, split='eval'))
@@ -292,12 +294,11 @@ def _hex(x):
   return float(np.asarray(x, np.float32)).hex()
 
 
-@pytest.mark.parametrize('scenario', [EVAL_SCENARIO])  # its xdist group
+@pytest.mark.parametrize('scenario', EVAL_SCENARIOS)  # and so its xdist group
 def test_eval_between_train_steps_bitwise(scenario):
   """Eval metrics on the held-out batches equal bit for bit; a golden records them."""
-  del scenario
-  _, rounds, held_out = _eval_run()
-  model_cfg, train_cfg = get_configs('tiny', EVAL_SCENARIO)
+  _, rounds, held_out = _eval_run(scenario)
+  model_cfg, train_cfg = get_configs('tiny', scenario)
   assert len(rounds) == STEPS // train_cfg.eval_every
   lines = []
   for after_step, metrics, _, _ in rounds:
@@ -314,10 +315,10 @@ def test_eval_between_train_steps_bitwise(scenario):
   assert len({line.split()[2] for line in lines}) == len(lines)
   train_batch = data.make_batch(model_cfg, train_cfg, 0)
   assert not np.array_equal(np.asarray(held_out[0]['inputs']), train_batch['inputs'])
-  _check_loss_record(f'{EVAL_SCENARIO}.eval.txt', ''.join(lines))
+  _check_loss_record(f'{scenario}.eval.txt', ''.join(lines))
 
 
-@pytest.mark.parametrize('scenario', [EVAL_SCENARIO])
+@pytest.mark.parametrize('scenario', EVAL_SCENARIOS)
 def test_eval_changes_nothing_and_has_dropout_off(scenario):
   """Eval leaves the state alone, training around it is unchanged, dropout is off.
 
@@ -327,11 +328,11 @@ def test_eval_changes_nothing_and_has_dropout_off(scenario):
   scenario trains with dropout 0.1; eval must not: its metrics equal those of
   the same state evaluated by a dropout-free config.
   """
-  losses, rounds, held_out = _eval_run()
+  losses, rounds, held_out = _eval_run(scenario)
   for after_step, _, before, after in rounds:
     assert_bitwise_equal(before, after, f'train state across the eval after step {after_step}')
   assert [_hex(x) for x in losses[0]] == [_hex(x) for x in losses[1]]
-  model_cfg, train_cfg = get_configs('tiny', EVAL_SCENARIO)
+  model_cfg, train_cfg = get_configs('tiny', scenario)
   assert model_cfg.dropout_rate > 0
   _, metrics, before, _ = rounds[-1]
   for side in make_sides(replace(model_cfg, dropout_rate=0.0), train_cfg):
@@ -342,4 +343,4 @@ def test_eval_changes_nothing_and_has_dropout_off(scenario):
       )
   # Last: the record (its conditions may skip the rest on a host it was not taken for).
   _assert_record_conditions()
-  assert [_hex(x) for x in losses[0]] == _golden_losses(EVAL_SCENARIO)
+  assert [_hex(x) for x in losses[0]] == _golden_losses(scenario)

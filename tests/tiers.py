@@ -1,38 +1,55 @@
 """The suite's two tiers: the core proof that `make test` runs, and the exhaustive rest.
 
-The core tier proves each model family end to end, quickly: the plugin's
-battery for the decoder's baseline scenario, the convolutional classifier
-(on `data=8` too) and the encoder (stock attention's declared difference
-named by the localizer); the decoder's baseline on the 3-axis mesh
-(shardings, annotations, memory and program); its loss record; the
-localizer's own tests on small planted breaks; the bridge, comparison,
-report, converter, launcher and plugin tests that compile little (a pair
-declared in a fresh directory among them). On two cores it takes 3 to 4
-minutes cold and 1 to 1.5 warm (README).
+The core tier proves each model family end to end, quickly, and every
+decoder feature once. The decoder runs as its two composite scenarios
+(models/config.py), which hold between them every feature that composes:
+`11_composite_accum` (gradient accumulation over 4 microbatches, dropout,
+rematerialisation saving dots, eval between train steps, bfloat16 weights,
+tied logits) and `12_composite_fp8` (fp8 with delayed scaling, unrolled
+layers, dropout, full rematerialisation, eval between train steps, float32
+weights, logits through logits_dense). fp8 and gradient accumulation cannot
+share a scenario: both models refuse the pair. For each composite: the
+plugin's battery, the side-by-side run with its loss and eval records, the
+spec tables, memory and program parity on one device and on the 3-axis mesh
+(a remat policy that saves what it should recompute changes both), and its
+training on that mesh (shardings, annotations). Then the convolutional
+classifier (on `data=8` too) and the encoder (stock attention's declared
+difference named by the localizer); the localizer's own tests on small
+planted breaks; the bridge, comparison, report, converter, launcher and
+plugin tests that compile little (a pair declared in a fresh directory
+among them).
 
 The exhaustive tier adds everything else the suite has: every other decoder
-scenario (unscanned, dropout, rematerialisation, fp8, gradient
-accumulation, eval, bf16 weights, tied logits, scan axis 0) with its records,
-the decoder's other three meshes, checkpoints across placements, the
-multi-process runs, the CLI end to end, the migration guide notebook, the
-hardware tier on the CPU devices, the planted bugs in the decoder and the
-encoder that the localizer names, the train-state extras carried across
-(an EMA of the parameters, a dynamic loss scale) and the tests that break a
-pair on purpose to check what the plugin's failures say (a new pair each,
-so new programs to compile). `pytest --exhaustive` (`make test-all`)
-runs both tiers; CI runs `make test` and then `make test-all`. A run that
-names paths or test ids (`pytest tests/test_multihost.py`), or selects by
-`-m` or `-k` (`pytest -m hardware`), runs what it names, whatever the tier.
+scenario (the baseline, which the core tier's report and converter tests
+still read, unscanned, dropout, rematerialisation, fp8, gradient
+accumulation, eval, bf16 weights, tied logits, and scan axis 0: the layout
+that differs by design, left out of the composites because its programs
+differ on purpose) with its records, the decoder's other three meshes,
+checkpoints across placements, the multi-process runs, the CLI end to end,
+the migration guide notebook, the hardware tier on the CPU devices, the
+planted bugs in the decoder and the encoder that the localizer names, the
+train-state extras carried across (an EMA of the parameters, a dynamic loss
+scale) and the tests that break a pair on purpose to check what the
+plugin's failures say (a new pair each, so new programs to compile).
+`pytest --exhaustive` (`make test-all`) runs both tiers; CI runs `make
+test` and then `make test-all`. A run that names paths or test ids
+(`pytest tests/test_multihost.py`), or selects by `-m` or `-k` (`pytest -m
+hardware`), runs what it names, whatever the tier.
 
 A test joins the exhaustive tier by its decoder scenario or mesh, by the
 part of a declared pair's battery it is (below), or by the `exhaustive`
-marker. Nothing here imports jax.
+marker. A test keyed on a scenario by its xdist group (`01_baseline`'s
+compile-once and CLI compare tests) goes with that scenario. Nothing here
+imports jax.
 """
 from __future__ import annotations
 
 import pytest
 
-CORE_SCENARIOS = ('01_baseline',)
+# The decoder's scenarios in the core tier: the two composites (models/config.py), in place of
+# the baseline, whose features they hold too. Together they fail on a migration bug in the NNX
+# side's dropout keys, step counter, gradient accumulation, fp8 state or remat policy.
+CORE_SCENARIOS = ('11_composite_accum', '12_composite_fp8')
 # The decoder's mesh matrix in the core tier (tests/runs.py MESHES): the mesh of all three axes.
 CORE_MESHES = ('data=2,fsdp=2,tensor=2',)
 # Tests the plugin generates, by pair (its name) and part (None: every part), with why the
@@ -44,9 +61,6 @@ EXHAUSTIVE_PARTS = {
         'tensor parallel on a mesh: the decoder trains on the 3-axis mesh, the classifier on data=8',
     ('encoder', 'localize'):
         'the localizer on equal sides: the stock-attention pair localizes a real difference',
-    ('decoder_01_baseline', 'localize'):
-        "the localizer on the decoder's equal sides: the core tier runs it on the classifier,"
-        " on stock attention's real difference and in test_localize.py",
 }
 MARKER = 'exhaustive'  # and the option, --exhaustive (root conftest.py)
 # How the main process tells pytest-xdist's workers its choice (root conftest.py).

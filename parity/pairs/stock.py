@@ -266,6 +266,32 @@ class StockNnx(_Stock):
   # what the optimizer holds (an EMA), as a Linen eval_step sees the whole TrainState.
   eval_sees_optimizer: bool = False
   nnx_only: tuple[type, ...] = (nnx.RngState,)
+  # Module correspondences inferred from both sides' traced calls (parity/pairs/correspond.py),
+  # `renames` winning where it speaks; False: `renames` alone.
+  infer_renames: bool = True
+  # (NNX call by its Linen path, Linen call) where calls do not pair one to one: set by inference.
+  call_keys: tuple[tuple[str, str], ...] = ()
+
+  def with_correspondence(self, linen_side: Any, batch: Any, key: Any) -> 'StockNnx':
+    """This side with the renames and call keys inferred against `linen_side` (a stock Linen
+    side), its own `renames` winning where they speak; itself with `infer_renames=False`."""
+    found = self.correspondence(linen_side, batch, key) if self.infer_renames else None
+    if found is None:
+      return self
+    return dataclasses.replace(self, renames=found.renames, call_keys=found.call_keys, infer_renames=False)
+
+  def correspondence(self, linen_side: 'StockLinen', batch: Any, key: Any):
+    """The inferred correspondence (parity.pairs.correspond.Correspondence) with `linen_side`;
+    None where that side is not a stock Linen side (nothing to trace its calls with)."""
+    from parity.pairs import correspond
+
+    if not isinstance(linen_side, StockLinen):
+      return None
+    return correspond.infer(
+        correspond.linen_calls(linen_side, linen_side.template, batch, key),
+        correspond.nnx_calls(self, self.template, batch, key),
+        self.renames,
+    )
 
   @functools.cached_property
   def _abstract(self):
@@ -383,4 +409,6 @@ class StockNnx(_Stock):
 
   def probe(self, state, batch, dropout_key) -> adapter.Probe:
     with self._context():
-      return localize.nnx_probe(self.loss, self.graphdef, state, batch, dropout_key, self.renames)
+      calls = dict(self.call_keys)
+      return localize.nnx_probe(self.loss, self.graphdef, state, batch, dropout_key, self.renames,
+                                call_key=lambda key: calls.get(key, key))

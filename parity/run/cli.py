@@ -339,6 +339,31 @@ def out_of_memory_message(error: BaseException, args) -> str | None:
   )
 
 
+def cmd_renames(args) -> int:
+  """`parity renames --pair FILE.py:NAME`: the inferred module correspondences, as Python."""
+  from parity.core import rng
+  from parity.pairs import correspond
+
+  pair = _load_pair(args.pair)
+  linen, nnx_side = pair.make_sides(None)
+  infer = getattr(nnx_side, 'correspondence', None)
+  if infer is None:
+    raise BadInput(f'--pair {args.pair}: its NNX side ({type(nnx_side).__name__}) does not infer'
+                   ' correspondences (parity.StockNnx does)')
+  key = rng.step_key(rng.base_key(pair.seed), 0, 0)
+  try:
+    found = infer(linen, pair.batch(0, 'train'), key)
+  except correspond.CorrespondenceError as e:
+    print(f'parity: {e}', file=sys.stderr)
+    return 1
+  if found is None:
+    raise BadInput(f'--pair {args.pair}: its Linen side ({type(linen).__name__}) is not a stock'
+                   ' Linen side (parity.StockLinen): nothing to trace its module calls with')
+  print(f'# {pair.name}: module correspondences inferred from one traced train-mode loss per side')
+  print(found.python())
+  return 0
+
+
 def cmd_scenarios(args) -> int:
   return reference_decoder().scenarios_command(args)
 
@@ -416,6 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
 
   from parity.store.convert import add_convert_parser
   add_convert_parser(sub)
+  renames = sub.add_parser('renames', help="a pair's module correspondences (Linen path -> NNX path),"
+                           ' inferred, printed as Python to paste and edit; exit 1 if some cannot be paired')
+  renames.add_argument('--pair', required=True, metavar='FILE.py:NAME',
+                       help='the pair (a parity.Pair), e.g. tests/test_family_encoder.py:encoder')
+  renames.set_defaults(func=cmd_renames)
   scenarios = sub.add_parser('scenarios', help='list the scenarios')
   scenarios.set_defaults(func=cmd_scenarios)
   return parser

@@ -1,0 +1,271 @@
+"""Module correspondences inferred: which NNX module (and which of its calls) is which Linen module.
+
+Linen names a stock model's modules automatically (`Dense_0`,
+`MlpBlock_0/Dropout_1`); an NNX port names them by attribute (`mlp/linear1`,
+`mlp/dropout`). The kit infers the mapping from one traced forward pass on
+each side (`jax.eval_shape`: nothing is compiled): the module calls in the
+order they return, each with its class and the shapes and dtypes of the
+parameters it owns and of those below it. The two call sequences are
+aligned in order, a call pairing with a compatible one (same class, up to
+the stock layers' renames such as `Dense` -> `Linear`, and the same
+parameters); the alignment gives
+
+- `renames`: Linen path -> NNX path of every module first called at a
+  matched pair (what `Renames` holds), and
+- `call_keys`: NNX call -> Linen call where calls do not pair one to one (one
+  NNX module called k times where Linen has k modules, or the reverse): the
+  localizer compares them call by call, and stock dropout draws each call's
+  Linen key (parity/pairs/dropout.py).
+
+Rules the user gives (`Renames`) win where they speak. A parameter left
+without a counterpart, or a module whose counterpart the order cannot decide,
+ends in one `CorrespondenceError` listing each with its candidates.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from typing import Any, Iterator
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+from parity.core import paths
+from parity.compare import scopes
+from parity.pairs.stock_layout import Renames
+
+ROOT = ''
+# Stock Linen layer -> its NNX counterpart's class name, where flax names them apart.
+STOCK_CLASSES = {
+    'Dense': 'Linear',
+    'DenseGeneral': 'LinearGeneral',
+    'MultiHeadDotProductAttention': 'MultiHeadAttention',
+    'SelfAttention': 'MultiHeadAttention',
+    'ConvTranspose': 'ConvTranspose',
+}
+
+
+class CorrespondenceError(ValueError):
+  """Modules the kit could not pair: each named, with its candidates on the other side."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One module call, in the order calls return (children before their parent)."""
+
+  key: str  # the module's path, `path#n` for its n-th repeat
+  path: str
+  cls: str
+  own: tuple  # ((parameter name, shape, dtype), ...) of the parameters the module owns
+  below: tuple  # sorted ((shape, dtype), ...) of every parameter at or below the module
+
+  @property
+  def label(self) -> str:
+    return f'{self.key or "(model)"} ({self.cls})'
+
+
+@dataclasses.dataclass(frozen=True)
+class Correspondence:
+  renames: Renames
+  call_keys: tuple[tuple[str, str], ...] = ()  # (NNX call by its Linen path, Linen call)
+  inferred: tuple[tuple[str, str], ...] = ()  # the rules inferred (not the user's)
+
+  def python(self, name: str = 'RENAMES') -> str:
+    """The table as Python a user can paste into their pair and edit."""
+    lines = [f'{name} = parity.Renames((  # Linen path -> NNX path']
+    lines += [f'    ({linen!r}, {nnx_path!r}),' for linen, nnx_path in self.renames.rules]
+    lines.append('))')
+    if self.call_keys:
+      lines.append('# Calls that do not pair one to one (inferred, nothing to write): NNX call -> Linen call')
+      lines += [f'#   {n} -> {l}' for n, l in self.call_keys]
+    return '\n'.join(lines)
+
+
+def _param_groups(flat: dict[str, Any]) -> dict[str, list[tuple[str, tuple, str]]]:
+  groups: dict[str, list] = collections.defaultdict(list)
+  for path, x in flat.items():
+    module, _, name = path.rpartition('/')
+    groups[module].append((name, tuple(x.shape), paths.dtype_name(x.dtype)))
+  return groups
+
+
+def _calls(order: list[tuple[str, str]], flat_params: dict[str, Any]) -> list[Call]:
+  groups = _param_groups(flat_params)
+  seen: collections.Counter = collections.Counter()
+  out = []
+  for path, cls in order:
+    n = seen[path]
+    seen[path] += 1
+    below = sorted(
+        (shape, dtype) for module, params in groups.items()
+        if module == path or not path or module.startswith(path + '/')
+        for _, shape, dtype in params
+    )
+    out.append(Call(path if n == 0 else f'{path}#{n}', path, cls, tuple(sorted(groups.get(path, ()))), tuple(below)))
+  return out
+
+
+@contextlib.contextmanager
+def _linen_calls(order: list[tuple[str, str]]) -> Iterator[None]:
+  def interceptor(next_fun, args, kwargs, context):
+    y = next_fun(*args, **kwargs)
+    if context.method_name == '__call__':
+      order.append(('/'.join(context.module.path), type(context.module).__name__))
+    return y
+
+  with nn.intercept_methods(interceptor):
+    yield
+
+
+def linen_calls(linen_side: Any, state: Any, batch: Any, key: Any) -> list[Call]:
+  """The Linen side's module calls in one traced train-mode loss (`loss(params, state, batch, key)`)."""
+  order: list[tuple[str, str]] = []
+
+  def traced(state):
+    del order[:]
+    with _linen_calls(order):
+      return linen_side.loss(state.params, state, batch, key)
+
+  jax.eval_shape(traced, state)
+  return _calls(order, paths.flatten(state.params))
+
+
+def nnx_calls(nnx_side: Any, state: Any, batch: Any, key: Any) -> list[Call]:
+  """The NNX side's module calls in one traced train-mode loss (`loss(model, batch, key)`)."""
+  order: list[tuple[str, str]] = []
+
+  def traced(state):
+    model, _ = nnx.merge(nnx_side.graphdef, state)
+    scopes.tag_paths(model, lambda p: p)
+    active: set[int] = set()
+
+    def wrap(original):
+      def __call__(self, *args, **kwargs):
+        outermost = id(self) not in active
+        active.add(id(self))
+        try:
+          return original(self, *args, **kwargs)
+        finally:
+          if outermost:
+            active.discard(id(self))
+            path = scopes.tagged_path(self)
+            if path is not None:
+              order.append((path, type(self).__name__))
+
+      return __call__
+
+    del order[:]
+    with scopes.patched_module_calls(model, wrap):
+      return nnx_side.loss(model, batch, key)
+
+  jax.eval_shape(traced, state)
+  return _calls(order, _nnx_params(state))
+
+
+def _nnx_params(state: Any) -> dict[str, Any]:
+  """The model's parameters (`0/<path>` of the (model, optimizer) state) by their NNX path."""
+  types = {p: type(v) for p, v in paths.items(state, lambda x: isinstance(x, nnx.Variable)) if isinstance(v, nnx.Variable)}
+  flat = paths.flatten(state)
+  return {p[2:]: flat[p] for p, t in types.items() if p.startswith('0/') and issubclass(t, nnx.Param)}
+
+
+def _normal_class(cls: str) -> str:
+  return STOCK_CLASSES.get(cls, cls)
+
+
+def _compatible(a: Call, b: Call) -> bool:
+  """Same parameters (own and below, by shape and dtype), and the same class where neither has any."""
+  if a.below != b.below:
+    return False
+  if [(s, d) for _, s, d in a.own] != [(s, d) for _, s, d in b.own] and sorted(
+      (s, d) for _, s, d in a.own) != sorted((s, d) for _, s, d in b.own):
+    return False
+  same_class = _normal_class(a.cls) == _normal_class(b.cls)
+  return same_class or bool(a.below)
+
+
+def _align(linen: list[Call], nnx_: list[Call]) -> list[tuple[int, int]]:
+  """The longest order-preserving pairing of compatible calls (ties: same class first)."""
+  n, m = len(linen), len(nnx_)
+  score = [[0] * (m + 1) for _ in range(n + 1)]
+  for i in range(n - 1, -1, -1):
+    for j in range(m - 1, -1, -1):
+      best = max(score[i + 1][j], score[i][j + 1])
+      if _compatible(linen[i], nnx_[j]):
+        bonus = 2 if _normal_class(linen[i].cls) == _normal_class(nnx_[j].cls) else 1
+        best = max(best, score[i + 1][j + 1] + bonus)
+      score[i][j] = best
+  pairs, i, j = [], 0, 0
+  while i < n and j < m:
+    if _compatible(linen[i], nnx_[j]):
+      bonus = 2 if _normal_class(linen[i].cls) == _normal_class(nnx_[j].cls) else 1
+      if score[i][j] == score[i + 1][j + 1] + bonus:
+        pairs.append((i, j))
+        i, j = i + 1, j + 1
+        continue
+    if score[i][j] == score[i + 1][j]:
+      i += 1
+    else:
+      j += 1
+  return pairs
+
+
+def _covered(rules: tuple[tuple[str, str], ...], path: str) -> bool:
+  return any(path == l or path.startswith(l + '/') for l, _ in rules)
+
+
+def infer(linen: list[Call], nnx_: list[Call], given: Renames = Renames()) -> Correspondence:
+  """The correspondence of two call sequences; `given` rules win where they speak."""
+  pairs = _align(linen, nnx_)
+  renames: dict[str, str] = {}
+  nnx_first_linen: dict[str, str] = {}  # NNX module path -> the Linen path its first call matched
+  matched_linen = {i for i, _ in pairs}
+  matched_nnx = {j for _, j in pairs}
+  for i, j in pairs:
+    l, n = linen[i], nnx_[j]
+    if n.path not in nnx_first_linen and l.path not in renames:
+      nnx_first_linen[n.path] = l.path
+      renames[l.path] = n.path
+  rules = tuple(given.rules)
+  inferred = tuple(
+      (l, n) for l, n in renames.items()
+      if l != n and l != ROOT and not _covered(given.rules, l)
+  )
+  # Keep only what longest-prefix matching does not already give: parents first.
+  needed: list[tuple[str, str]] = []
+  for l, n in sorted(inferred, key=lambda rule: rule[0].count('/')):
+    if Renames(rules + tuple(needed)).to_nnx(l) != n:
+      needed.append((l, n))
+  # Shown in call order, each module before the modules inside it.
+  first = {}
+  for index, c in enumerate(linen):
+    for depth in range(c.path.count('/') + 1):
+      first.setdefault('/'.join(c.path.split('/')[:depth + 1]), index)
+  needed.sort(key=lambda rule: (first.get(rule[0], len(linen)), rule[0].count('/')))
+  table = Renames(rules + tuple(needed))
+  call_keys = []
+  for i, j in pairs:
+    l, n = linen[i], nnx_[j]
+    as_linen = table.to_linen(n.path) + n.key[len(n.path):]
+    if as_linen != l.key:
+      call_keys.append((as_linen, l.key))
+  problems = []
+  linen_params = {c.path for c in linen if c.own}
+  for i, c in enumerate(linen):
+    if i not in matched_linen and c.own and c.path in linen_params and c.key == c.path:
+      candidates = [d.label for d in nnx_ if d.own and sorted(s for _, s, _ in d.own) == sorted(s for _, s, _ in c.own)]
+      if table.to_nnx(c.path) not in {d.path for d in nnx_}:
+        problems.append(f'Linen {c.label}: no NNX module matched; candidates: {", ".join(candidates) or "none"}')
+  for j, c in enumerate(nnx_):
+    if j not in matched_nnx and c.own and c.key == c.path and table.to_linen(c.path) not in {d.path for d in linen}:
+      candidates = [d.label for d in linen if d.own and sorted(s for _, s, _ in d.own) == sorted(s for _, s, _ in c.own)]
+      problems.append(f'NNX {c.label}: no Linen module matched; candidates: {", ".join(candidates) or "none"}')
+  if problems:
+    raise CorrespondenceError(
+        'module correspondences: ' + str(len(problems)) + ' module(s) could not be paired by call order,'
+        ' class and parameter shapes; give their names with Renames (your rules win where they speak):\n  '
+        + '\n  '.join(problems)
+    )
+  return Correspondence(table, tuple(call_keys), tuple(needed))
