@@ -104,3 +104,53 @@ def encoder_batch(cfg: EncoderConfig, step: int, split: str = 'train') -> dict[s
       'tokens': rng.integers(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len)).astype(np.int32),
       'labels': rng.integers(0, cfg.num_classes, cfg.batch_size).astype(np.int32),
   }
+
+
+@dataclasses.dataclass(frozen=True)
+class LmConfig:
+  """A small causal language model: embedding, pre-norm decoder blocks (stock attention, MLP), dense head.
+
+  head_dim = emb_dim // num_heads must be a power of 4: Linen's attention divides
+  the query by sqrt(head_dim), NNX's stock one (jax.nn.dot_product_attention)
+  multiplies the logits by 1/sqrt(head_dim); both are exact only then.
+  """
+
+  vocab_size: int = 64
+  emb_dim: int = 32
+  num_heads: int = 2
+  mlp_dim: int = 64
+  num_layers: int = 2
+  seq_len: int = 8
+  batch_size: int = 8
+  dropout_rate: float = 0.1
+  learning_rate: float = 1e-2
+  seed: int = 0
+
+
+# Tensor parallelism for the language model: vocabulary, MLP units and heads
+# over `tensor`, the batch over `data`. The Linen side annotates its
+# parameters with the logical names (resolved by LM_RULES); the NNX side, as
+# its users often do, with the mesh axes already resolved (lm_axis_rules).
+# Attention kernels are named by their leading axes only (see ENCODER_AXES:
+# Linen initialises them flattened): qkv ('embed', 'heads'), out ('heads',).
+LM_RULES: tuple[tuple[str, str | None], ...] = (
+    ('batch', 'data'), ('vocab', 'tensor'), ('embed', None), ('mlp', 'tensor'), ('heads', 'tensor'),
+)
+LM_MESH_AXES: dict[str, str | None] = {'vocab': 'tensor', 'embed': None, 'mlp': 'tensor', 'heads': 'tensor'}
+
+
+def lm_axis_rules(*logical: str) -> tuple[str | None, ...]:
+  """The mesh axes of a parameter with these logical axes (LM_MESH_AXES): the NNX side's annotations."""
+  return tuple(LM_MESH_AXES[name] for name in logical)
+
+
+def lm_batch(cfg: LmConfig, step: int, split: str = 'train') -> dict[str, np.ndarray]:
+  """{tokens: int32 [B, L]}, a pure function of (seed, split, step).
+
+  Each row counts from a random start by a random stride (mod vocab_size), so
+  the next token is predictable from the two before it.
+  """
+  rng = np.random.default_rng([cfg.seed, {'train': 0, 'eval': 1}[split], step])
+  start = rng.integers(0, cfg.vocab_size, (cfg.batch_size, 1))
+  stride = rng.integers(1, 4, (cfg.batch_size, 1))
+  return {'tokens': ((start + stride * np.arange(cfg.seq_len)) % cfg.vocab_size).astype(np.int32)}

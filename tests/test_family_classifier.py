@@ -26,6 +26,7 @@ from parity import KnownDifference, Pair, Renames, StockLinen, StockNnx
 from models.families import ClassifierConfig, classifier_batch
 from models.linen import classifier as linen_classifier
 from models.nnx import classifier as nnx_classifier
+from parity.pairs import adapter
 from parity.run import runner
 from tests import ema
 
@@ -84,7 +85,7 @@ def test_a_declared_program_difference_covers_only_its_modules():
   norm left out of the declaration, the same run is not the same program."""
   only_first = dataclasses.replace(BATCH_NORM_PROGRAM, paths=('BatchNorm_0',))
   result = runner.compare_sides(
-      classifier.make_sides(None), lambda step: classifier.batch(step, 'train'), 1,
+      adapter.make_pair_sides(classifier, None), lambda step: classifier.batch(step, 'train'), 1,
       declared_program_difference=only_first, localize_divergence=False,
   )
   assert result.bitwise_equal
@@ -613,8 +614,9 @@ def test_a_dropout_drawing_from_a_stream_kept_in_the_nnx_model_is_named_with_the
           ' Dropout_0/rngs/key)') in message, message
   assert '`nnx.Dropout(...)(x, rngs=key)`' in message
   # The family's own pair, whose NNX dropout keeps no stream, gets no such line.
-  _, plain = make_sides(CFG, None)
-  assert plain.rng_stream_paths() == [] and _stream_sides(None)[1].rng_stream_paths() == [
+  _, plain = adapter.make_pair_sides(classifier, None)
+  streams = Pair('rng_stream', _stream_sides, functools.partial(classifier_batch, CFG))
+  assert plain.rng_stream_paths() == [] and adapter.make_pair_sides(streams, None)[1].rng_stream_paths() == [
       'Dropout_0/rngs/count', 'Dropout_0/rngs/key']
 
 

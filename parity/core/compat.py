@@ -184,3 +184,12 @@ def logical_constraint_names() -> Iterator[list[str]]:
 def jax_minor() -> str:
   """jax's `major.minor` (records whose bits a jax release may change are kept per minor version)."""
   return '.'.join(jax.__version__.split('.')[:2])
+
+
+def linen_make_rng(root: Any, path: Sequence[str], count: int) -> Any:
+  """The key Linen's `make_rng` gives the `count`-th draw (from 1) in the scope at `path`
+  of an `apply` given `root` for that collection: flax's own derivation (`LazyRng`),
+  so its hashing options (`flax_fix_rng_separator`) apply as they do in Linen."""
+  from flax.core import scope
+
+  return scope.LazyRng.create(root, *path, count).as_jax_rng()

@@ -258,7 +258,7 @@ OPTIONAL_MEMBERS = ('probe',)
 def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side, Side]:
   """`pair.make_sides(mesh)`, checked: two sides, each with every member of `Side` but the optional.
 
-  An NNX side that infers its module correspondences (`with_correspondence`,
+  An NNX side that infers its module correspondences (`adopt_correspondence`,
   as `StockNnx` does) gets them from the Linen side, once per pair.
   """
   sides = pair.make_sides(mesh)
@@ -272,8 +272,10 @@ def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side,
           ' parity.pairs.adapter.Side (each one\'s docstring says what it takes and returns; parity.pairs.stock'
           ' implements them for flax\'s stock train states)')
   linen, nnx_side = sides
-  if hasattr(nnx_side, 'with_correspondence'):
-    nnx_side = _corresponded(pair, linen, nnx_side)
+  if getattr(nnx_side, 'infer_renames', False) is True and hasattr(nnx_side, 'adopt_correspondence'):
+    found = _correspondence(pair, linen, nnx_side)
+    if found is not None:
+      nnx_side.adopt_correspondence(found)
   return linen, nnx_side
 
 
@@ -281,20 +283,16 @@ def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side,
 _CORRESPONDENCES: dict[int, Any] = {}
 
 
-def _corresponded(pair: 'Pair', linen: Side, nnx_side: Any) -> Any:
+def _correspondence(pair: 'Pair', linen: Side, nnx_side: Any) -> Any:
+  """The pair's inferred correspondence (None: the sides cannot infer one), once per process."""
   from parity.core import rng
 
-  if getattr(nnx_side, 'infer_renames', False) is False:
-    return nnx_side
   cached = _CORRESPONDENCES.get(id(pair))
   if cached is None or cached[0] is not pair:
     key = rng.step_key(rng.base_key(pair.seed), 0, 0)
     cached = (pair, nnx_side.correspondence(linen, pair.batch(0, 'train'), key))
     _CORRESPONDENCES[id(pair)] = cached
-  found = cached[1]
-  if found is None:
-    return nnx_side
-  return dataclasses.replace(nnx_side, renames=found.renames, call_keys=found.call_keys, infer_renames=False)
+  return cached[1]
 
 
 def checked_metrics(pair_name: str, side: Side, step: str, metrics: Any, need_loss: bool) -> dict[str, Any]:

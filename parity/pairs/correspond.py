@@ -60,6 +60,7 @@ class Call:
   cls: str
   own: tuple  # ((parameter name, shape, dtype), ...) of the parameters the module owns
   below: tuple  # sorted ((shape, dtype), ...) of every parameter at or below the module
+  kinds: frozenset = frozenset()  # its class and base classes, by name (stock names as NNX's)
 
   @property
   def label(self) -> str:
@@ -91,11 +92,17 @@ def _param_groups(flat: dict[str, Any]) -> dict[str, list[tuple[str, tuple, str]
   return groups
 
 
-def _calls(order: list[tuple[str, str]], flat_params: dict[str, Any]) -> list[Call]:
+def _kinds(cls: type) -> frozenset:
+  return frozenset(_normal_class(c.__name__) for c in cls.__mro__
+                   if c not in (object, nn.Module, nnx.Module) and not c.__module__.startswith(('abc', 'typing')))
+
+
+def _calls(order: list[tuple[str, type]], flat_params: dict[str, Any]) -> list[Call]:
   groups = _param_groups(flat_params)
   seen: collections.Counter = collections.Counter()
   out = []
-  for path, cls in order:
+  for path, cls_type in order:
+    cls = cls_type.__name__
     n = seen[path]
     seen[path] += 1
     below = sorted(
@@ -103,16 +110,17 @@ def _calls(order: list[tuple[str, str]], flat_params: dict[str, Any]) -> list[Ca
         if module == path or not path or module.startswith(path + '/')
         for _, shape, dtype in params
     )
-    out.append(Call(path if n == 0 else f'{path}#{n}', path, cls, tuple(sorted(groups.get(path, ()))), tuple(below)))
+    out.append(Call(path if n == 0 else f'{path}#{n}', path, cls, tuple(sorted(groups.get(path, ()))),
+                    tuple(below), _kinds(cls_type)))
   return out
 
 
 @contextlib.contextmanager
-def _linen_calls(order: list[tuple[str, str]]) -> Iterator[None]:
+def _linen_calls(order: list[tuple[str, type]]) -> Iterator[None]:
   def interceptor(next_fun, args, kwargs, context):
     y = next_fun(*args, **kwargs)
     if context.method_name == '__call__':
-      order.append(('/'.join(context.module.path), type(context.module).__name__))
+      order.append(('/'.join(context.module.path), type(context.module)))
     return y
 
   with nn.intercept_methods(interceptor):
@@ -121,7 +129,7 @@ def _linen_calls(order: list[tuple[str, str]]) -> Iterator[None]:
 
 def linen_calls(linen_side: Any, state: Any, batch: Any, key: Any) -> list[Call]:
   """The Linen side's module calls in one traced train-mode loss (`loss(params, state, batch, key)`)."""
-  order: list[tuple[str, str]] = []
+  order: list[tuple[str, type]] = []
 
   def traced(state):
     del order[:]
@@ -134,7 +142,7 @@ def linen_calls(linen_side: Any, state: Any, batch: Any, key: Any) -> list[Call]
 
 def nnx_calls(nnx_side: Any, state: Any, batch: Any, key: Any) -> list[Call]:
   """The NNX side's module calls in one traced train-mode loss (`loss(model, batch, key)`)."""
-  order: list[tuple[str, str]] = []
+  order: list[tuple[str, type]] = []
 
   def traced(state):
     model, _ = nnx.merge(nnx_side.graphdef, state)
@@ -152,7 +160,7 @@ def nnx_calls(nnx_side: Any, state: Any, batch: Any, key: Any) -> list[Call]:
             active.discard(id(self))
             path = scopes.tagged_path(self)
             if path is not None:
-              order.append((path, type(self).__name__))
+              order.append((path, type(self)))
 
       return __call__
 
@@ -182,8 +190,12 @@ def _compatible(a: Call, b: Call) -> bool:
   if [(s, d) for _, s, d in a.own] != [(s, d) for _, s, d in b.own] and sorted(
       (s, d) for _, s, d in a.own) != sorted((s, d) for _, s, d in b.own):
     return False
-  same_class = _normal_class(a.cls) == _normal_class(b.cls)
-  return same_class or bool(a.below)
+  return _same_kind(a, b) or bool(a.below)
+
+
+def _same_kind(a: Call, b: Call) -> bool:
+  """The same class (stock Linen names as NNX's), or one derived from the other's."""
+  return _normal_class(a.cls) == _normal_class(b.cls) or _normal_class(a.cls) in b.kinds or _normal_class(b.cls) in a.kinds
 
 
 def _align(linen: list[Call], nnx_: list[Call]) -> list[tuple[int, int]]:
@@ -194,13 +206,13 @@ def _align(linen: list[Call], nnx_: list[Call]) -> list[tuple[int, int]]:
     for j in range(m - 1, -1, -1):
       best = max(score[i + 1][j], score[i][j + 1])
       if _compatible(linen[i], nnx_[j]):
-        bonus = 2 if _normal_class(linen[i].cls) == _normal_class(nnx_[j].cls) else 1
+        bonus = 2 if _same_kind(linen[i], nnx_[j]) else 1
         best = max(best, score[i + 1][j + 1] + bonus)
       score[i][j] = best
   pairs, i, j = [], 0, 0
   while i < n and j < m:
     if _compatible(linen[i], nnx_[j]):
-      bonus = 2 if _normal_class(linen[i].cls) == _normal_class(nnx_[j].cls) else 1
+      bonus = 2 if _same_kind(linen[i], nnx_[j]) else 1
       if score[i][j] == score[i + 1][j + 1] + bonus:
         pairs.append((i, j))
         i, j = i + 1, j + 1

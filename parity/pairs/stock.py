@@ -36,6 +36,7 @@ from parity.pairs import stock_layout as bridge_stock
 from parity.core.state import NNX_STEP_DTYPE
 from parity.core import compat
 from parity.pairs import adapter
+from parity.pairs import dropout
 from parity.compare import localize
 from parity.compare import scopes
 
@@ -157,6 +158,11 @@ class StockLinen(_Stock):
   rules: tuple[tuple[str, Any], ...] | None = None  # logical axis rules (None: replicate the state)
   name: str = 'linen'
 
+  @property
+  def stock_linen(self) -> 'StockLinen':
+    """This side (what a wrapper delegating to it reaches): the kit traces its module calls."""
+    return self
+
   @functools.cached_property
   def _boxed_template(self) -> Any:
     """`create`'s state as ShapeDtypeStructs, logical-axis boxes (if any) kept: the specs."""
@@ -271,20 +277,41 @@ class StockNnx(_Stock):
   infer_renames: bool = True
   # (NNX call by its Linen path, Linen call) where calls do not pair one to one: set by inference.
   call_keys: tuple[tuple[str, str], ...] = ()
+  # 'linen': each nnx.Dropout call given an nnx.Rngs (or stream) at the call draws the key Linen's
+  # make_rng('dropout') gives its Linen counterpart (parity/pairs/dropout.py); 'nnx': as drawn.
+  dropout_keys: str = 'nnx'
 
-  def with_correspondence(self, linen_side: Any, batch: Any, key: Any) -> 'StockNnx':
-    """This side with the renames and call keys inferred against `linen_side` (a stock Linen
-    side), its own `renames` winning where they speak; itself with `infer_renames=False`."""
-    found = self.correspondence(linen_side, batch, key) if self.infer_renames else None
-    if found is None:
-      return self
-    return dataclasses.replace(self, renames=found.renames, call_keys=found.call_keys, infer_renames=False)
+  def __post_init__(self):
+    if self.dropout_keys not in dropout.SCHEMES:
+      raise ValueError(f"StockNnx dropout_keys: one of {dropout.SCHEMES}, got {self.dropout_keys!r}")
+
+  @contextlib.contextmanager
+  def _dropout_context(self, model=None):
+    """Linen's dropout keys while tracing (`dropout_keys='linen'`), `model` tagged with its Linen paths."""
+    if self.dropout_keys != 'linen':
+      yield
+      return
+    if model is not None:
+      scopes.tag_paths(model, self.renames.to_linen)
+    with dropout.linen_dropout_keys(dict(self.call_keys)):
+      yield
+
+  def adopt_correspondence(self, found: Any) -> None:
+    """Takes an inferred correspondence (renames, call keys) in place, before first use.
+
+    In place so that a wrapper delegating to this side keeps wrapping it;
+    `make_sides` builds new sides for every mesh, so nothing else sees the change.
+    """
+    object.__setattr__(self, 'renames', found.renames)
+    object.__setattr__(self, 'call_keys', found.call_keys)
+    object.__setattr__(self, 'infer_renames', False)
 
   def correspondence(self, linen_side: 'StockLinen', batch: Any, key: Any):
     """The inferred correspondence (parity.pairs.correspond.Correspondence) with `linen_side`;
     None where that side is not a stock Linen side (nothing to trace its calls with)."""
     from parity.pairs import correspond
 
+    linen_side = getattr(linen_side, 'stock_linen', None)  # itself, or what a wrapper delegates to
     if not isinstance(linen_side, StockLinen):
       return None
     return correspond.infer(
@@ -313,7 +340,8 @@ class StockNnx(_Stock):
 
   def _train_fn(self, state, batch, dropout_base):
     model, optimizer = self._merge(state)
-    metrics = self.train_step_fn(model, optimizer, batch, dropout_base)
+    with self._dropout_context(model):
+      metrics = self.train_step_fn(model, optimizer, batch, dropout_base)
     return nnx.state((model, optimizer)), metrics
 
   @functools.cached_property
@@ -345,7 +373,8 @@ class StockNnx(_Stock):
   def _value_and_grads(self):
     def fn(state, batch, key):
       model, _ = self._merge(state)
-      loss, grads = nnx.value_and_grad(self.loss)(model, batch, key)
+      with self._dropout_context(model):
+        loss, grads = nnx.value_and_grad(self.loss)(model, batch, key)
       return loss, {
           'params/' + self.renames.to_linen(p): g for p, g in paths.flatten(grads).items()
       }
@@ -410,5 +439,6 @@ class StockNnx(_Stock):
   def probe(self, state, batch, dropout_key) -> adapter.Probe:
     with self._context():
       calls = dict(self.call_keys)
-      return localize.nnx_probe(self.loss, self.graphdef, state, batch, dropout_key, self.renames,
-                                call_key=lambda key: calls.get(key, key))
+      with self._dropout_context():  # the probe tags the model's paths itself
+        return localize.nnx_probe(self.loss, self.graphdef, state, batch, dropout_key, self.renames,
+                                  call_key=lambda key: calls.get(key, key))

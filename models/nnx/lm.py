@@ -1,0 +1,108 @@
+"""A small causal language model from flax's stock NNX layers.
+
+Mirrors models/linen/lm.py class for class: `nnx.Embed`, pre-norm
+`DecoderBlock`s (`nnx.LayerNorm`, `nnx.MultiHeadAttention` under
+`nnx.make_causal_mask`, dropout, an `MlpBlock` of `nnx.Linear`), a final norm
+and a linear head over the vocabulary, trained with the stock `nnx.Optimizer`
+on next-token cross entropy. Layers are named attributes. Dropouts hold no
+RNG state: the keys are passed at the call (`rngs=nnx.Rngs(dropout=key)`,
+the kit's step key) and forwarded to each dropout. Parameters carry their
+mesh axes, already resolved (`lm_axis_rules`, LM_RULES).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import parity
+from models.families import LmConfig, lm_axis_rules
+
+
+def _init(init, *logical: str):
+  return nnx.with_partitioning(init, lm_axis_rules(*logical))
+
+
+class MlpBlock(nnx.Module):
+
+  def __init__(self, cfg: LmConfig, *, rngs: nnx.Rngs):
+    self.linear1 = nnx.Linear(cfg.emb_dim, cfg.mlp_dim, rngs=rngs,
+                              kernel_init=_init(nnx.initializers.lecun_normal(), 'embed', 'mlp'))
+    self.linear2 = nnx.Linear(cfg.mlp_dim, cfg.emb_dim, rngs=rngs,
+                              kernel_init=_init(nnx.initializers.lecun_normal(), 'mlp', 'embed'))
+    self.dropout = nnx.Dropout(cfg.dropout_rate)
+
+  def __call__(self, x, train: bool, rngs: nnx.Rngs | None = None):
+    x = self.dropout(nnx.gelu(self.linear1(x)), deterministic=not train, rngs=rngs)
+    return self.dropout(self.linear2(x), deterministic=not train, rngs=rngs)
+
+
+class DecoderBlock(nnx.Module):
+
+  def __init__(self, cfg: LmConfig, *, rngs: nnx.Rngs):
+    self.ln1 = nnx.LayerNorm(cfg.emb_dim, rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(
+        cfg.num_heads, cfg.emb_dim, qkv_features=cfg.emb_dim, decode=False, rngs=rngs,
+        kernel_init=_init(nnx.initializers.lecun_normal(), 'embed', 'heads'),
+        out_kernel_init=_init(nnx.initializers.lecun_normal(), 'heads'),
+    )
+    self.dropout = nnx.Dropout(cfg.dropout_rate)
+    self.ln2 = nnx.LayerNorm(cfg.emb_dim, rngs=rngs)
+    self.mlp = MlpBlock(cfg, rngs=rngs)
+
+  def __call__(self, x, mask, train: bool, rngs: nnx.Rngs | None = None):
+    y = self.attention(self.ln1(x), mask=mask)
+    x = x + self.dropout(y, deterministic=not train, rngs=rngs)
+    return x + self.mlp(self.ln2(x), train, rngs)
+
+
+class LanguageModel(nnx.Module):
+
+  def __init__(self, cfg: LmConfig, *, rngs: nnx.Rngs):
+    embedding_init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal', out_axis=0)  # the stock default
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.emb_dim, embedding_init=_init(embedding_init, 'vocab', 'embed'), rngs=rngs)
+    self.blocks = nnx.List([DecoderBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = nnx.LayerNorm(cfg.emb_dim, rngs=rngs)
+    self.head = nnx.Linear(cfg.emb_dim, cfg.vocab_size, rngs=rngs,
+                           kernel_init=_init(nnx.initializers.lecun_normal(), 'embed', 'vocab'))
+
+  def __call__(self, tokens, train: bool = False, rngs: nnx.Rngs | None = None):
+    x = self.embed(tokens)
+    mask = nnx.make_causal_mask(tokens)
+    for block in self.blocks:
+      x = block(x, mask, train, rngs)
+    return self.head(self.final_norm(x))
+
+
+def make_optimizer(cfg: LmConfig) -> optax.GradientTransformation:
+  return optax.adamw(cfg.learning_rate)
+
+
+def create_train_state(cfg: LmConfig, seed: int) -> tuple[LanguageModel, nnx.Optimizer]:
+  model = LanguageModel(cfg, rngs=nnx.Rngs(params=seed))
+  return model, nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+
+
+def next_token_loss(logits, tokens):
+  """Mean cross entropy of each position's logits against the next token."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+
+
+def loss_fn(model: LanguageModel, batch, dropout_key):
+  tokens = batch['tokens']
+  logits = model(tokens[:, :-1], train=True, rngs=nnx.Rngs(dropout=dropout_key))
+  return next_token_loss(logits, tokens)
+
+
+@nnx.jit
+def train_step(model: LanguageModel, optimizer: nnx.Optimizer, batch, dropout_base):
+  key = parity.step_key(dropout_base, optimizer.step[...], 0)
+  loss, grads = nnx.value_and_grad(loss_fn)(model, batch, key)
+  optimizer.update(model, grads)
+  return {'loss': loss}
+
+
+@nnx.jit
+def eval_step(model: LanguageModel, batch):
+  tokens = batch['tokens']
+  return {'loss': next_token_loss(model(tokens[:, :-1], train=False), tokens)}

@@ -1,0 +1,82 @@
+"""Stock dropout, bit for bit: NNX dropout calls draw the keys Linen's `make_rng('dropout')` gives.
+
+Linen's `nn.Dropout` without a key at the call draws `make_rng('dropout')`:
+the key passed to `apply(..., rngs={'dropout': key})` with the module's scope
+path and its per-scope call count folded in (flax `core/scope.py`, `LazyRng`).
+`nnx.Dropout` called with an `nnx.Rngs` (or a stream) draws that stream's
+next key, a count folded into the stream's key. The two can never give the
+same masks, though both are a pure function of the step's key.
+
+`StockNnx(dropout_keys='linen')` makes them equal with no change to either
+model: while the kit traces the NNX side, each `nnx.Dropout` call given an
+`nnx.Rngs` or `RngStream` *at the call* draws instead the key Linen's
+`make_rng('dropout')` gives its corresponding Linen call (its path through
+the pair's correspondences, its count), from the stream's key as Linen's
+root key. The stream still advances as it would. What stays unproven is
+the key derivation itself, which is each framework's own; everything the
+masks feed is compared bit for bit.
+
+Not covered, and left as drawn: a stream the model keeps (`nnx.Dropout(rate,
+rngs=rngs)` in `__init__`: its key is not the step's), a key array passed at
+the call (already the same on both sides when the Linen side passes it too),
+and Linen modules inside lifted transforms (`nn.scan`, `nn.vmap`), whose
+RNGs Linen splits or folds differently.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Iterator, Mapping
+
+from flax import nnx
+
+from parity.core import compat
+from parity.compare import scopes
+
+SCHEMES = ('nnx', 'linen')
+
+
+@contextlib.contextmanager
+def linen_dropout_keys(call_keys: Mapping[str, str] = {}) -> Iterator[collections.Counter]:
+  """While active, every `nnx.Dropout` call given an Rngs or stream at the call draws Linen's key.
+
+  The module's Linen path is its tag (`scopes.tag_paths` with the pair's
+  renames, set by the kit before tracing); `call_keys` maps an NNX call
+  (`path#n`) to the Linen call it is. Yields a counter of the calls
+  substituted, by Linen call.
+  """
+  original = nnx.Dropout.__call__
+  # Counted per Rngs object passed, as Linen counts per `apply`: one forward pass each.
+  nnx_calls: collections.Counter = collections.Counter()
+  linen_counts: collections.Counter = collections.Counter()
+  substituted: collections.Counter = collections.Counter()
+  seen: list = []  # the Rngs objects counted, kept alive so that their ids stay theirs
+
+  def __call__(self, inputs, *, deterministic=None, rngs=None):
+    path = scopes.tagged_path(self)
+    if path is None or not isinstance(rngs, (nnx.Rngs, nnx.RngStream)):
+      return original(self, inputs, deterministic=deterministic, rngs=rngs)
+    seen.append(rngs)
+    forward = id(rngs)
+    n = nnx_calls[forward, path]
+    nnx_calls[forward, path] += 1
+    off = deterministic if deterministic is not None else self.deterministic
+    if off or self.rate == 0.0 or self.rate == 1.0:
+      return original(self, inputs, deterministic=deterministic, rngs=rngs)
+    stream = rngs[self.rng_collection] if isinstance(rngs, nnx.Rngs) else rngs
+    root = stream.key[...]
+    stream()  # the stream advances as the draw it replaces would advance it
+    call = path if n == 0 else f'{path}#{n}'
+    linen_call = call_keys.get(call, call)
+    linen_path = linen_call.split('#', 1)[0]
+    linen_counts[forward, linen_path] += 1
+    substituted[linen_call] += 1
+    count = linen_counts[forward, linen_path]
+    key = compat.linen_make_rng(root, linen_path.split('/') if linen_path else [], count)
+    return original(self, inputs, deterministic=deterministic, rngs=key)
+
+  nnx.Dropout.__call__ = __call__
+  try:
+    yield substituted
+  finally:
+    nnx.Dropout.__call__ = original
