@@ -335,8 +335,7 @@ def check_specs(pair: adapter.Pair) -> list[str]:
   __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   linen, nnx_side = runs.sides()
-  with _as_failure():
-    specs_lib.check_no_drift(linen.param_specs(), nnx_side.param_specs(), f'{pair.name} parameters')
+  notes = _check_param_specs(pair, linen, nnx_side)
   rules = _rules(pair, linen, default=specs_lib.DEFAULT_RULES)
   start = runs.start('linen')
   tables = [
@@ -350,8 +349,33 @@ def check_specs(pair: adapter.Pair) -> list[str]:
         f' {len(tables[1])} in NNX\'s):\n  ' + '\n  '.join(problems[:50])
     )
   if not tables[0]:
-    return ['activation constraints: none in either train step (nothing to compare)']
-  return [f'activation constraints: {len(tables[0])} per train step, the same logical names on both sides']
+    return notes + ['activation constraints: none in either train step (nothing to compare)']
+  return notes + [f'activation constraints: {len(tables[0])} per train step, the same logical names on both sides']
+
+
+def _check_param_specs(pair: adapter.Pair, linen: adapter.Side, nnx_side: adapter.Side) -> list[str]:
+  """The parameters' annotations, equal as written; or, where one side annotates with logical
+  names and the other with mesh axes (already resolved by its own rules), equal in placement
+  on every mesh of the pair. Returns a line saying which."""
+  linen_specs, nnx_specs = linen.param_specs(), nnx_side.param_specs()
+  problems = specs_lib.spec_drift(linen_specs, nnx_specs, f'{pair.name} parameters')
+  if not problems:
+    return []
+  rules = tuple(tuple(r) for r in (_rules(pair, linen, default=()) or ()))
+  meshes = {m: specs_lib.parse_mesh_spec(m) for m in pair.meshes}
+  axes = sorted(set().union(*meshes.values())) if meshes else []
+  kinds = (specs_lib.convention(linen_specs, rules, axes), specs_lib.convention(nnx_specs, rules, axes))
+  same_paths = set(linen_specs) == set(nnx_specs)
+  if not same_paths or kinds[0] == kinds[1] or 'mixed' in kinds or not meshes:
+    raise AssertionError(str(TreeMismatchError(f'{pair.name} parameters specs differ between Linen and NNX'
+                                               f' (Linen annotates with {kinds[0]}, NNX with {kinds[1]})', problems)))
+  drift = specs_lib.placement_drift(linen_specs, nnx_specs, kinds, rules, meshes)
+  if drift:
+    raise AssertionError(str(TreeMismatchError(
+        f'{pair.name} parameters are placed otherwise (Linen annotates with {kinds[0]}, NNX with'
+        f' {kinds[1]}; each read in its own convention with the pair\'s rules)', drift)))
+  return [f'parameter specs: Linen annotates with {kinds[0]}, NNX with {kinds[1]}; the placements agree'
+          f' on {", ".join(meshes)} ({len(linen_specs)} parameters)']
 
 
 def _rules(pair: adapter.Pair, side: adapter.Side, default):

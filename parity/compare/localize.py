@@ -31,6 +31,7 @@ from parity.core import paths
 from parity.pairs import adapter
 from parity.core import bitwise
 from parity.compare import scopes
+from parity.core import compat
 
 ROOT = '(model)'
 _LAYER = re.compile(r'(^|/)layers_(\d+)(/|$)')
@@ -191,7 +192,8 @@ def nnx_probe(
     # Fresh Variables of this trace (merge reuses the state's own, which
     # belong to the caller's trace and refuse the in-place batch-stat update).
     params, rest = jax.tree.map(lambda x: x, (params, rest))
-    model, _ = nnx.merge(graphdef, params, rest)
+    with compat.eager_sharding_off():
+      model, _ = nnx.merge(graphdef, params, rest)
     recorder = _Recorder(probes, call_key)
     unrecorded.clear()
     with _nnx_intercept(model, recorder, renames.to_linen, unrecorded):

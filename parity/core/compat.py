@@ -193,3 +193,16 @@ def linen_make_rng(root: Any, path: Sequence[str], count: int) -> Any:
   from flax.core import scope
 
   return scope.LazyRng.create(root, *path, count).as_jax_rng()
+
+
+@contextlib.contextmanager
+def eager_sharding_off() -> Iterator[None]:
+  """NNX variables annotated with a sharding (`nnx.with_partitioning`, `out_sharding=`) made
+  without placing them: flax 0.12 shards them eagerly by default, which needs a mesh with
+  those axis names. The kit places a side's state itself (its `place`), on one device or a mesh."""
+  use = getattr(nnx, 'use_eager_sharding', None)
+  if use is None:  # a flax without eager sharding
+    yield
+    return
+  with use(False):
+    yield

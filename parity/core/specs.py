@@ -217,3 +217,53 @@ def format_names(names) -> str:
       return repr(n)
     return '(' + ','.join(repr(x) for x in n) + ')'
   return '(' + ','.join(one(n) for n in names) + (',)' if len(names) == 1 else ')')
+
+
+CONVENTIONS = ('logical names', 'mesh axes', 'none', 'mixed')
+
+
+def _names(spec: Sequence[Any]) -> set[str]:
+  out = set()
+  for entry in spec:
+    for name in entry if isinstance(entry, (tuple, list)) else (entry,):
+      if name is not None:
+        out.add(name)
+  return out
+
+
+def convention(specs: Mapping[str, Sequence[Any]], rules: Rules, mesh_axes: Sequence[str]) -> str:
+  """How a side annotates its parameters: with the rules' logical names, with mesh axes
+  already resolved, not at all ('none': every entry None), or a mix of the two."""
+  names = set().union(*(_names(s) for s in specs.values())) if specs else set()
+  if not names:
+    return 'none'
+  logical = {r[0] for r in rules}
+  if names <= logical:
+    return 'logical names'
+  if names <= set(mesh_axes):
+    return 'mesh axes'
+  return 'mixed'
+
+
+def placement(spec: Sequence[Any], kind: str, rules: Rules, mesh_sizes: Mapping[str, int]) -> tuple[Any, ...]:
+  """Where a parameter annotated in convention `kind` sits on a mesh (printed form)."""
+  if kind == 'mesh axes':
+    return printed_spec(spec, mesh_sizes, len(spec))
+  return physical_spec(spec, rules, mesh_sizes)
+
+
+def placement_drift(
+    linen: Mapping[str, Sequence[Any]], nnx_specs: Mapping[str, Sequence[Any]], kinds: tuple[str, str],
+    rules: Rules, meshes: Mapping[str, Mapping[str, int]],
+) -> list[Problem]:
+  """Every parameter placed otherwise by the two sides' annotations on one of `meshes`, each
+  side read in its own convention (`kinds`); the paths must be the same on both sides."""
+  problems = []
+  for spec_name, sizes in meshes.items():
+    for path in sorted(linen):
+      a = placement(linen[path], kinds[0], rules, sizes)
+      b = placement(nnx_specs[path], kinds[1], rules, sizes)
+      if a != b:
+        problems.append(Problem(path, f'placement on {spec_name}', f'{a} (Linen {tuple(linen[path])})',
+                                f'{b} (NNX {tuple(nnx_specs[path])})'))
+  return problems

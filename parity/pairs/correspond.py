@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from parity.core import paths
+from parity.core import compat, paths
 from parity.compare import scopes
 from parity.pairs.stock_layout import Renames
 
@@ -145,7 +145,8 @@ def nnx_calls(nnx_side: Any, state: Any, batch: Any, key: Any) -> list[Call]:
   order: list[tuple[str, type]] = []
 
   def traced(state):
-    model, _ = nnx.merge(nnx_side.graphdef, state)
+    with compat.eager_sharding_off():
+      model, _ = nnx.merge(nnx_side.graphdef, state)
     scopes.tag_paths(model, lambda p: p)
     active: set[int] = set()
 

@@ -63,8 +63,13 @@ class _Stock:
 
   @property
   def _rule_list(self) -> list[tuple[str, Any]]:
-    """The rules as flax takes them (none: no logical name maps to a mesh axis)."""
-    return [tuple(r) for r in self.rules or ()]
+    """The rules as flax takes them (none: no logical name maps to a mesh axis), and after
+    them each mesh axis as itself: a side annotated with mesh axes (its own rules already
+    applied) is placed as written."""
+    rules = [tuple(r) for r in self.rules or ()]
+    logical = {r[0] for r in rules}
+    axes = self.mesh.axis_names if self.mesh is not None else ()
+    return rules + [(axis, axis) for axis in axes if axis not in logical]
 
   def batch_sharding(self) -> Any:
     if self.mesh is None:
@@ -322,7 +327,7 @@ class StockNnx(_Stock):
 
   @functools.cached_property
   def _abstract(self):
-    return nnx.eval_shape(lambda: nnx.split(self.create(0)))
+    return nnx.eval_shape(lambda: nnx.split(self._create(0)))
 
   @property
   def graphdef(self):
@@ -333,10 +338,16 @@ class StockNnx(_Stock):
     return self._abstract[1]
 
   def init(self, seed: int) -> Any:
-    return self.place(nnx.split(self.create(seed))[1])
+    return self.place(nnx.split(self._create(seed))[1])
+
+  def _create(self, seed: int):
+    """`create(seed)`, annotated variables left unplaced (the kit places the state: `place`)."""
+    with compat.eager_sharding_off():
+      return self.create(seed)
 
   def _merge(self, state):
-    return nnx.merge(self.graphdef, state)
+    with compat.eager_sharding_off():
+      return nnx.merge(self.graphdef, state)
 
   def _train_fn(self, state, batch, dropout_base):
     model, optimizer = self._merge(state)
@@ -408,7 +419,7 @@ class StockNnx(_Stock):
     """The state of the `nnx_only` types as `create(0)` makes it (None if there is none)."""
     if not self._nnx_only_paths:
       return None
-    return nnx.split(self.create(0), nnx.Any(*self.nnx_only), ...)[1]
+    return nnx.split(self._create(0), nnx.Any(*self.nnx_only), ...)[1]
 
   def from_checkpoint(self, flat) -> Any:
     return self.place(bridge_stock.checkpoint_to_nnx(
@@ -427,7 +438,7 @@ class StockNnx(_Stock):
     return nnx.get_partition_spec(self.template)
 
   def param_specs(self) -> dict[str, tuple]:
-    model_params = nnx.state(nnx.eval_shape(lambda: self.create(0)[0]), nnx.Param)
+    model_params = nnx.state(nnx.eval_shape(lambda: self._create(0)[0]), nnx.Param)
     return {
         'params/' + self.renames.to_linen(p): compat.nnx_logical_axes(v) or ()
         for p, v in paths.items(model_params, lambda x: isinstance(x, nnx.Variable))
