@@ -906,7 +906,7 @@ assert specs.physical_spec(('embed_vocab', 'vocab'), my_rules, mesh_sizes) != \
 # `nnx.Dropout(rate, rngs=rngs)`) needs no change either: `StockNnx` leaves the
 # streams, which a Linen `TrainState` does not have, out of every comparison of
 # numbers, and the memory, program and mesh parts show the state they add to the
-# NNX step (README, "Your own migration").
+# NNX step (docs/plugin.md).
 #
 # Two NNX habits do give another program, and the battery says which: NNX
 # attributes that sort otherwise than the Linen modules they replace change
@@ -917,7 +917,7 @@ assert specs.physical_spec(('embed_vocab', 'vocab'), my_rules, mesh_sizes) != \
 # `jax.checkpoint` over the state `nnx.split` gives, as this decoder's
 # `_remat_layer` does).
 #
-# The README's "Your own migration" section lists what each function takes,
+# The plugin docs (docs/plugin.md) list what each function takes,
 # the generated tests and the options; `tests/test_family_classifier.py` and
 # `tests/test_family_encoder.py` are two worked examples built from flax's
 # stock layers (batch norm and dropout; attention, with a difference inherent

@@ -20,7 +20,7 @@ import parity
 from models.families import LmConfig
 
 
-def _init(init, *logical: str | None):
+def _init(init, *logical: str):
   return nn.with_logical_partitioning(init, logical)
 
 
@@ -58,13 +58,15 @@ class LanguageModel(nn.Module):
   @nn.compact
   def __call__(self, tokens, train: bool = False):
     cfg = self.cfg
-    embedding_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'normal', out_axis=0)  # the stock default
-    x = nn.Embed(cfg.vocab_size, cfg.emb_dim, embedding_init=_init(embedding_init, 'vocab', 'embed'))(tokens)
+    embedding_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'normal', out_axis=0)  # stock
+    x = nn.Embed(cfg.vocab_size, cfg.emb_dim,
+                 embedding_init=_init(embedding_init, 'vocab', 'embed'))(tokens)
     mask = nn.make_causal_mask(tokens)
     for _ in range(cfg.num_layers):
       x = DecoderBlock(cfg)(x, mask, train)
     x = nn.LayerNorm()(x)
-    return nn.Dense(cfg.vocab_size, kernel_init=_init(nn.initializers.lecun_normal(), 'embed', 'vocab'))(x)
+    head_init = _init(nn.initializers.lecun_normal(), 'embed', 'vocab')
+    return nn.Dense(cfg.vocab_size, kernel_init=head_init)(x)
 
 
 TrainState = train_state.TrainState
@@ -83,12 +85,14 @@ def create_train_state(cfg: LmConfig, seed: int) -> TrainState:
 
 def next_token_loss(logits, tokens):
   """Mean cross entropy of each position's logits against the next token."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+  labels = tokens[:, 1:]
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
 
 
 def loss_fn(params, state: TrainState, batch, dropout_key):
   tokens = batch['tokens']
-  logits = state.apply_fn({'params': params}, tokens[:, :-1], train=True, rngs={'dropout': dropout_key})
+  logits = state.apply_fn({'params': params}, tokens[:, :-1], train=True,
+                          rngs={'dropout': dropout_key})
   return next_token_loss(logits, tokens)
 
 

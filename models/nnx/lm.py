@@ -7,7 +7,9 @@ and a linear head over the vocabulary, trained with the stock `nnx.Optimizer`
 on next-token cross entropy. Layers are named attributes. Dropouts hold no
 RNG state: the keys are passed at the call (`rngs=nnx.Rngs(dropout=key)`,
 the kit's step key) and forwarded to each dropout. Parameters carry their
-mesh axes, already resolved (`lm_axis_rules`, LM_RULES).
+mesh axes, already resolved (`lm_axis_rules`, LM_RULES). The stock attention
+(`jax.nn.dot_product_attention`) sums otherwise than Linen's even where its
+scaling is exact: it vmaps over a query-group axis (here of size 1).
 """
 from __future__ import annotations
 
@@ -59,8 +61,9 @@ class DecoderBlock(nnx.Module):
 class LanguageModel(nnx.Module):
 
   def __init__(self, cfg: LmConfig, *, rngs: nnx.Rngs):
-    embedding_init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal', out_axis=0)  # the stock default
-    self.embed = nnx.Embed(cfg.vocab_size, cfg.emb_dim, embedding_init=_init(embedding_init, 'vocab', 'embed'), rngs=rngs)
+    embedding_init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal', out_axis=0)  # stock
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.emb_dim, rngs=rngs,
+                           embedding_init=_init(embedding_init, 'vocab', 'embed'))
     self.blocks = nnx.List([DecoderBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = nnx.LayerNorm(cfg.emb_dim, rngs=rngs)
     self.head = nnx.Linear(cfg.emb_dim, cfg.vocab_size, rngs=rngs,
@@ -85,7 +88,8 @@ def create_train_state(cfg: LmConfig, seed: int) -> tuple[LanguageModel, nnx.Opt
 
 def next_token_loss(logits, tokens):
   """Mean cross entropy of each position's logits against the next token."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+  labels = tokens[:, 1:]
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
 
 
 def loss_fn(model: LanguageModel, batch, dropout_key):

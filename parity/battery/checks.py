@@ -166,12 +166,28 @@ class _Runs:
     module = found['path']
     streams = [p for p in streams_of() if p == module or p.startswith(module + '/')]
     if not streams:
-      return []
+      return self.dropout_scheme_lines(module)
     return [f'{module} draws from an RNG stream kept in the NNX model ({", ".join(streams)}), which'
             ' a Linen TrainState does not hold, so its masks cannot be those of Linen\'s make_rng:'
             ' derive the key from the step (dropout_base) and pass it at the call on both sides,'
             ' as `nn.Dropout(...)(x, rng=key)` and `nnx.Dropout(...)(x, rngs=key)`'
-            ' (README, "Your own migration")']
+            ' (docs/plugin.md, "Stock dropout")']
+
+  def dropout_scheme_lines(self, module: str) -> list[str]:
+    """Which key scheme each side's dropout uses, when the first differing module is a dropout."""
+    scheme = getattr(self.side('nnx'), 'dropout_keys', None)  # the stock NNX side's
+    if scheme is None or not module.rsplit('/', 1)[-1].lower().startswith('dropout'):
+      return []
+    if scheme == 'nnx':
+      return [f"{module} is a dropout: stock Linen draws make_rng('dropout') (the module's scope path"
+              " and call count folded into the key given to apply), stock NNX draws from the nnx.Rngs"
+              " passed at the call (a count folded into the stream's key): their masks cannot be"
+              " equal. Give the NNX side Linen's keys, with no change to either model:"
+              " StockNnx(..., dropout_keys='linen') (docs/plugin.md, \"Stock dropout\")"]
+    return [f"{module} is a dropout and the NNX side already draws Linen's make_rng keys for an"
+            " nnx.Rngs passed at the call (dropout_keys='linen'): this call draws otherwise (a key"
+            " array passed at the call that is not Linen's, or a key derived by the model itself);"
+            " derive it from the step on both sides, or pass the Rngs at the call"]
 
   def update_lines(self, step: int, init_side: str = 'linen') -> list[str]:
     """Where the two states part after train step `step`, both from the Linen state before it:
