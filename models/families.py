@@ -125,6 +125,10 @@ class LmConfig:
   dropout_rate: float = 0.1
   learning_rate: float = 1e-2
   seed: int = 0
+  # The NNX attention's formula: 'stock' (nnx.MultiHeadAttention's default, which sums
+  # otherwise than Linen's: another layout of the same products) or 'linen' (flax.linen's,
+  # given as `attention_fn`: the same numbers as the Linen side).
+  nnx_attention: str = 'stock'
 
 
 # Tensor parallelism for the language model: vocabulary, MLP units and heads

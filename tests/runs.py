@@ -44,6 +44,7 @@ EXTRA_MESHES = {'01_baseline': MESHES, '06_grad_accum': ('fsdp=8', THREE_AXES)}
 FULL_MATRIX_ONLY = {
     '03_dropout': 'dropout on a mesh: 06_grad_accum trains with dropout 0.1 on two meshes',
     '04_remat_save_dots': 'rematerialisation on a mesh: 04_remat',
+    '12_composite_fp8': 'fp8, unrolled layers and full remat on a mesh: 05_fp8, 02_unscanned and 04_remat',
 }
 
 

@@ -148,3 +148,14 @@ def test_nnx_dropout_given_rngs_at_the_call_draws_linens_masks():
     parity.assert_bitwise_equal(jax.jit(lambda x: model(x, nnx.Rngs(dropout=key)))(x), linen)
   assert dict(substituted) == {'Dropout_0': 1, 'Dropout_1': 1}
   parity.assert_bitwise_equal(model(x, nnx.Rngs(dropout=key)), as_drawn)  # restored on exit
+
+
+def test_parity_renames_of_the_language_model_names_its_reused_dropout_call_by_call(capsys):
+  """The fourth family: automatic Linen names against NNX attributes, one NNX dropout called
+  twice where Linen's MLP has two."""
+  assert cli.main(['renames', '--pair', 'tests/test_family_lm.py:lm']) == 0
+  out = capsys.readouterr().out
+  for rule in ["('Embed_0', 'embed')", "('DecoderBlock_1', 'blocks/1')",
+               "('DecoderBlock_0/MlpBlock_0/Dense_1', 'blocks/0/mlp/linear2')", "('Dense_0', 'head')"]:
+    assert rule in out, out
+  assert '#   DecoderBlock_0/MlpBlock_0/Dropout_0#1 -> DecoderBlock_0/MlpBlock_0/Dropout_1' in out, out

@@ -19,6 +19,7 @@ from flax import nnx
 
 import parity
 from models.families import LmConfig, lm_axis_rules
+from models.nnx.encoder import ATTENTION_FNS
 
 
 def _init(init, *logical: str):
@@ -45,6 +46,7 @@ class DecoderBlock(nnx.Module):
     self.ln1 = nnx.LayerNorm(cfg.emb_dim, rngs=rngs)
     self.attention = nnx.MultiHeadAttention(
         cfg.num_heads, cfg.emb_dim, qkv_features=cfg.emb_dim, decode=False, rngs=rngs,
+        attention_fn=ATTENTION_FNS[cfg.nnx_attention],
         kernel_init=_init(nnx.initializers.lecun_normal(), 'embed', 'heads'),
         out_kernel_init=_init(nnx.initializers.lecun_normal(), 'heads'),
     )

@@ -620,6 +620,8 @@ def _off_their_rules(pair: adapter.Pair, side: adapter.Side, flat: Mapping[str, 
   say to shard, even when the other side does the same.
   """
   rules = [tuple(r) for r in _rules(pair, side, default=())]
+  logical = {r[0] for r in rules}  # then each mesh axis as itself: annotations already resolved
+  rules += [(axis, axis) for axis in side.mesh.axis_names if axis not in logical]
   lines = []
   for path, names in side.param_specs().items():
     actual = flat[path].sharding

@@ -1,0 +1,106 @@
+"""The fourth family, as a user would declare it: a stock-layer causal language model with
+dropout on, no renames (inferred), no probe override, no wrapper around `create`.
+
+The glue a user writes for the whole battery is the block between the markers.
+"""
+# --- glue ---
+import functools
+
+import parity
+from models.families import LM_RULES, LmConfig, lm_batch
+from models.linen import lm as linen_lm
+from models.nnx import lm as nnx_lm
+
+# NNX's stock attention sums its products in another layout than Linen's (other bits):
+# the NNX side is given Linen's formula, as the encoder's pair does (models/nnx/encoder.py).
+CFG = LmConfig(nnx_attention='linen')
+
+
+def make_sides(mesh, cfg=CFG):
+  linen = parity.StockLinen(functools.partial(linen_lm.create_train_state, cfg), linen_lm.train_step,
+                            linen_lm.eval_step, linen_lm.loss_fn, mesh=mesh, rules=LM_RULES)
+  nnx_side = parity.StockNnx(functools.partial(nnx_lm.create_train_state, cfg), nnx_lm.train_step,
+                             nnx_lm.eval_step, nnx_lm.loss_fn, mesh=mesh, rules=LM_RULES,
+                             dropout_keys='linen')  # stock dropout: Linen's make_rng keys
+  return linen, nnx_side
+
+
+STOCK_LAYERS_PROGRAM = parity.KnownDifference(
+    paths=('LayerNorm_0',) + tuple(f'DecoderBlock_{i}/{m}' for i in range(CFG.num_layers)
+                                   for m in ('LayerNorm_0', 'MultiHeadDotProductAttention_0', 'LayerNorm_1')),
+    passes=('program', 'memory'), max_changed_lines=2300, max_temp_bytes=256,
+    reason="flax's stock attention and layer norm lower differently in Linen and NNX (same numbers);"
+           ' with dropout on, the layer norm\'s other lowering moves 256 B of temporaries')
+lm = parity.Pair('lm', make_sides, functools.partial(lm_batch, CFG), known_differences=(STOCK_LAYERS_PROGRAM,),
+                 meshes=('data=4,tensor=2',), rules=LM_RULES)
+# --- end of glue ---
+
+import dataclasses  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+
+def _broken(name, create=None, cfg=CFG):
+  def sides(mesh):
+    linen, nnx_side = make_sides(mesh)
+    return linen, dataclasses.replace(nnx_side, create=create or functools.partial(nnx_lm.create_train_state, cfg))
+
+  return parity.Pair(name, sides, functools.partial(lm_batch, CFG), parts=('grads',))
+
+
+def _with_epsilon(seed):
+  model, optimizer = nnx_lm.create_train_state(CFG, seed)
+  model.blocks[1].ln2.epsilon = 1e-3  # stock: 1e-6, as Linen's
+  return model, optimizer
+
+
+def _off_by_one(x, **kwargs):
+  """A causal mask that lets each position see the next one too."""
+  index = jnp.broadcast_to(jnp.arange(x.shape[-1]), x.shape)
+  return nn.make_attention_mask(index, index, lambda q, k: q + 1 >= k, **kwargs)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group('parity-lm')
+@pytest.mark.parametrize('bug,module', [
+    ('dropout_rate', 'DecoderBlock_0/Dropout_0'),
+    ('causal_mask', 'DecoderBlock_0/MultiHeadDotProductAttention_0'),
+    ('layer_norm_epsilon', 'DecoderBlock_1/LayerNorm_1'),
+])
+def test_a_bug_planted_in_the_nnx_side_fails_and_the_localizer_names_its_module(bug, module, monkeypatch):
+  from parity.battery import checks
+
+  if bug == 'dropout_rate':
+    pair = _broken(bug, cfg=dataclasses.replace(CFG, dropout_rate=0.2))
+  elif bug == 'causal_mask':
+    monkeypatch.setattr(nnx, 'make_causal_mask', _off_by_one)
+    pair = _broken(bug)
+  else:
+    pair = _broken(bug, create=_with_epsilon)
+  with pytest.raises(AssertionError) as failure:
+    checks.check_grads(pair)
+  message = str(failure.value)
+  named = (f'forward pass: first differs at module {module}', f'forward pass: inside module {module},')
+  assert any(line in message for line in named), message
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group('parity-lm')
+def test_stock_dropout_without_linens_keys_fails_naming_both_key_schemes():
+  """The same pair with NNX drawing its own keys from the Rngs passed at the call: the masks
+  differ from the first dropout; the localizer names it and says how to make the keys equal."""
+  from parity.battery import checks
+
+  def sides(mesh):
+    linen, nnx_side = make_sides(mesh)
+    return linen, dataclasses.replace(nnx_side, dropout_keys='nnx')
+
+  pair = parity.Pair('nnx_keys', sides, functools.partial(lm_batch, CFG), parts=('grads',))
+  with pytest.raises(AssertionError) as failure:
+    checks.check_grads(pair)
+  message = str(failure.value)
+  assert 'first differs at module DecoderBlock_0/Dropout_0' in message, message
+  assert "stock Linen draws make_rng('dropout')" in message and "dropout_keys='linen'" in message, message
