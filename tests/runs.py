@@ -31,13 +31,14 @@ from bridge.sides import make_sides
 STEPS = 10
 MESH_STEPS = 3
 
-# The mesh matrix. `--full-mesh-matrix`: every scenario on every mesh (44
-# pairs, each about 13 s of compile when nothing is cached). By default (13
-# pairs): the baseline on all four meshes, every scenario on the 3-axis mesh
-# except two whose sharded program another default pair already covers,
-# and gradient accumulation (with dropout) on the seed logs' fsdp=8 too, where
-# tests/test_checkpoints.py trains it. Those are the exhaustive tier's; the core
-# tier (tests/tiers.py, `make test`) keeps the baseline on the 3-axis mesh.
+# The mesh matrix. `--full-mesh-matrix`: every scenario on every mesh (52
+# pairs, each about 13 s of compile when nothing is cached, up to twice that for
+# the composites). By default (14 pairs): the baseline on all four meshes, every
+# scenario on the 3-axis mesh except three whose sharded programs other default
+# pairs already cover, and gradient accumulation (with dropout) on the seed logs'
+# fsdp=8 too, where tests/test_checkpoints.py trains it. The core tier
+# (tests/tiers.py, `make test`) keeps 11_composite_accum on the 3-axis mesh; the
+# rest are the exhaustive tier's.
 MESHES = ('fsdp=8', 'fsdp=4,tensor=2', 'data=2,fsdp=4', 'data=2,fsdp=2,tensor=2')
 THREE_AXES = 'data=2,fsdp=2,tensor=2'
 EXTRA_MESHES = {'01_baseline': MESHES, '06_grad_accum': ('fsdp=8', THREE_AXES)}

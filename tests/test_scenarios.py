@@ -20,7 +20,9 @@ those bits on x86 CPUs (Intel's manual); qemu 7.2 flushes them, so step 0's
 gradients already differ under it, and the loss from step 2.
 test_fp8.test_the_cpu_keeps_the_e5m2_gradients_denormals checks this
 conversion on the host, and fails under qemu. Not checked on a real second
-CPU. Changing the z-loss
+CPU. The composites (11_composite_accum, 12_composite_fp8: the core tier's)
+were recorded after those measurements, on one host; 12_composite_fp8 has
+fp8's e5m2 gradients too. Changing the z-loss
 weight or the RoPE timescale in the shared config fails every record. XLA's CPU code generation
 still differs between jax minor versions, so there is one record per jax
 minor version; a version with no record fails and says how to create it.

@@ -1,54 +1,66 @@
 """The suite's two tiers: the core proof that `make test` runs, and the exhaustive rest.
 
 The core tier proves each model family end to end, quickly, and every
-decoder feature once. The decoder runs as its two composite scenarios
-(models/config.py), which hold between them every feature that composes:
-`11_composite_accum` (gradient accumulation over 4 microbatches, dropout,
-rematerialisation saving dots, eval between train steps, bfloat16 weights,
-tied logits) and `12_composite_fp8` (fp8 with delayed scaling, unrolled
-layers, dropout, full rematerialisation, eval between train steps, float32
-weights, logits through logits_dense). fp8 and gradient accumulation cannot
-share a scenario: both models refuse the pair. For each composite: the
-plugin's battery, the side-by-side run with its loss and eval records, the
-spec tables, memory and program parity on one device and on the 3-axis mesh
-(a remat policy that saves what it should recompute changes both), and its
-training on that mesh (shardings, annotations). Then the convolutional
+decoder feature at least once. The decoder runs as two composite scenarios
+(models/config.py), which between them hold every feature that composes,
+since fp8 and gradient accumulation cannot share a scenario (both models
+refuse the pair):
+
+* `11_composite_accum`, in place of the baseline: gradient accumulation
+  over 4 microbatches, dropout 0.1, rematerialisation saving dots, eval
+  between train steps, bfloat16 weights, tied logits. It gets everything the
+  baseline got: the plugin's battery, the side-by-side run with its loss and
+  eval records, the spec tables, memory and program parity on one device and
+  on the 3-axis mesh, and its training there (shardings, annotations).
+* `12_composite_fp8`: fp8 with delayed scaling, unrolled layers, dropout
+  0.1, full rematerialisation, eval between train steps, float32 weights,
+  logits through logits_dense. The core tier trains it side by side on one
+  device (its loss and eval records, memory and program parity, spec
+  tables, logits and eval steps); its battery is the exhaustive tier's
+  (EXHAUSTIVE_PARTS) and it trains on no mesh by default (tests/runs.py), so
+  that the tier keeps to its time.
+
+Together they fail on a migration bug in the NNX side's dropout keys (that
+ignore the step), step counter (not incremented, or of another dtype),
+gradient accumulation (microbatch means averaged instead of every token
+weighing the same), fp8 state (not updated) or remat policy (saving
+everything: another program and other temporaries). Then the convolutional
 classifier (on `data=8` too) and the encoder (stock attention's declared
 difference named by the localizer); the localizer's own tests on small
 planted breaks; the bridge, comparison, report, converter, launcher and
 plugin tests that compile little (a pair declared in a fresh directory
-among them).
+among them). On two cores it takes 3 to 4 minutes cold and 1 to 1.5 warm
+(README).
 
 The exhaustive tier adds everything else the suite has: every other decoder
-scenario (the baseline, which the core tier's report and converter tests
-still read, unscanned, dropout, rematerialisation, fp8, gradient
-accumulation, eval, bf16 weights, tied logits, and scan axis 0: the layout
-that differs by design, left out of the composites because its programs
-differ on purpose) with its records, the decoder's other three meshes,
-checkpoints across placements, the multi-process runs, the CLI end to end,
-the migration guide notebook, the hardware tier on the CPU devices, the
-planted bugs in the decoder and the encoder that the localizer names, the
-train-state extras carried across (an EMA of the parameters, a dynamic loss
-scale) and the tests that break a pair on purpose to check what the
-plugin's failures say (a new pair each, so new programs to compile).
-`pytest --exhaustive` (`make test-all`) runs both tiers; CI runs `make
-test` and then `make test-all`. A run that names paths or test ids
-(`pytest tests/test_multihost.py`), or selects by `-m` or `-k` (`pytest -m
-hardware`), runs what it names, whatever the tier.
+scenario (the baseline, unscanned, dropout, rematerialisation, fp8,
+gradient accumulation, eval, bf16 weights, tied logits, and scan axis 0: the
+NNX layout that differs by design, whose programs differ on purpose and so
+is in no composite) with its records, the fp8 composite's battery, the
+decoder's other three meshes, checkpoints across placements, the
+multi-process runs, the CLI end to end, the migration guide notebook, the
+hardware tier on the CPU devices, the planted bugs in the decoder and the
+encoder that the localizer names, the train-state extras carried across
+(an EMA of the parameters, a dynamic loss scale) and the tests that break a
+pair on purpose to check what the plugin's failures say (a new pair each,
+so new programs to compile). `pytest --exhaustive` (`make test-all`) runs
+both tiers; CI runs `make test` and then `make test-all`. A run that names
+paths or test ids (`pytest tests/test_multihost.py`), or selects by `-m` or
+`-k` (`pytest -m hardware`), runs what it names, whatever the tier.
 
 A test joins the exhaustive tier by its decoder scenario or mesh, by the
 part of a declared pair's battery it is (below), or by the `exhaustive`
-marker. A test keyed on a scenario by its xdist group (`01_baseline`'s
-compile-once and CLI compare tests) goes with that scenario. Nothing here
-imports jax.
+marker. Its scenario is its `scenario` parameter, or else its xdist group
+when that names a scenario: the tests that key on `01_baseline` so (the
+compile-once tests, the CLI's bit-identical compare) are the exhaustive
+tier's with it. Nothing here imports jax.
 """
 from __future__ import annotations
 
 import pytest
 
-# The decoder's scenarios in the core tier: the two composites (models/config.py), in place of
-# the baseline, whose features they hold too. Together they fail on a migration bug in the NNX
-# side's dropout keys, step counter, gradient accumulation, fp8 state or remat policy.
+# The decoder's scenarios in the core tier: the two composites (models/config.py) in place of
+# the baseline; the fp8 one without its battery (EXHAUSTIVE_PARTS) and mesh runs (tests/runs.py).
 CORE_SCENARIOS = ('11_composite_accum', '12_composite_fp8')
 # The decoder's mesh matrix in the core tier (tests/runs.py MESHES): the mesh of all three axes.
 CORE_MESHES = ('data=2,fsdp=2,tensor=2',)

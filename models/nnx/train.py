@@ -140,7 +140,6 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig):
       fp8_meta = nnx.state(model, Fp8Meta)  # empty: fp8 is refused with accumulation
     grads = jax.tree.map(lambda g: (g / tokens).astype(g.dtype), grads)
     optimizer.update(model, grads)
-    optimizer.step.value = step  # PLANTED: the counter stays where it was
     nnx.update(model, fp8_meta)
     metrics = {'loss': loss_sum / tokens, 'z_loss': z_sum / tokens, 'tokens': tokens}
     return nnx.state((model, optimizer)), metrics

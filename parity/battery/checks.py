@@ -353,11 +353,21 @@ def check_specs(pair: adapter.Pair) -> list[str]:
   linen, nnx_side = runs.sides()
   notes = _check_param_specs(pair, linen, nnx_side)
   rules = _rules(pair, linen, default=specs_lib.DEFAULT_RULES)
+  if pair.activations_resolved:  # declared: no logical names to read, the physical specs compared
+    return notes + _check_resolved_activations(pair, None)
   start = runs.start('linen')
-  tables = [
-      activations.rows(side, side.from_checkpoint(start), runs.batch(0), runs.dropout_base(), tuple(rules))
-      for side in (linen, nnx_side)
-  ]
+  try:
+    tables = [
+        activations.rows(side, side.from_checkpoint(start), runs.batch(0), runs.dropout_base(), tuple(rules))
+        for side in (linen, nnx_side)
+    ]
+  except ValueError as e:
+    if 'not found in mesh' not in str(e):
+      raise
+    raise AssertionError(
+        f'{pair.name}: activation constraints name mesh axes, not logical names ({e}): the model'
+        ' resolves its names itself. Declare it, Pair(activations_resolved=True), to compare the'
+        ' physical specs they resolve to on each mesh of the pair') from None
   problems = activations.drift(*tables, sites=False)
   if problems:
     raise AssertionError(
@@ -366,7 +376,41 @@ def check_specs(pair: adapter.Pair) -> list[str]:
     )
   if not tables[0]:
     return notes + ['activation constraints: none in either train step (nothing to compare)']
+  if activations.unnamed(tables[0]) and activations.unnamed(tables[1]):
+    return notes + _check_resolved_activations(pair, len(tables[0]))
   return notes + [f'activation constraints: {len(tables[0])} per train step, the same logical names on both sides']
+
+
+def _check_resolved_activations(pair: adapter.Pair, count: int | None) -> list[str]:
+  """Constraints that carry no logical name on either side: never a silent pass. Declared
+  (`Pair(activations_resolved=True)`), their physical specs are compared on each mesh."""
+  if not pair.activations_resolved:
+    raise AssertionError(
+        f'{pair.name}: nothing compared: the {count} activation constraints of each train step carry'
+        ' no logical name on either side (the model resolves its names to mesh axes before it'
+        ' constrains, or constrains with mesh axes), so a renamed activation axis would go unseen.'
+        ' Constrain with logical names (nn.with_logical_constraint under the rules), or declare'
+        ' that the model resolves them itself, Pair(activations_resolved=True): the part then'
+        ' compares the physical specs they resolve to on each mesh of the pair')
+  lines = []
+  for spec in pair.meshes:
+    sides = adapter.make_pair_sides(pair, specs_lib.make_mesh(spec))
+    start = sides[0].init(pair.seed)
+    batch = sides[0].place_batch(pair.batch(0, 'train'))
+    base = rng.base_key(pair.seed)
+    tables = [activations.physical_rows(side, side.from_checkpoint(sides[0].to_checkpoint(start)), batch, base)
+              for side in sides]
+    problems = activations.drift(*tables, sites=False)
+    if problems:
+      raise AssertionError(
+          f'{pair.name}: activation constraints resolve to other mesh axes on {spec} (the model'
+          f' resolves its names itself: Pair(activations_resolved=True)):\n  ' + '\n  '.join(problems[:50]))
+    if not tables[0]:
+      raise AssertionError(f'{pair.name}: nothing compared: no activation constraint in either train'
+                           f' step on {spec}, though the pair declares activations_resolved')
+    lines.append(f'activation constraints: {len(tables[0])} per train step, resolved by the model itself'
+                 f' (declared), the same physical specs on {spec}')
+  return lines
 
 
 def _check_param_specs(pair: adapter.Pair, linen: adapter.Side, nnx_side: adapter.Side) -> list[str]:

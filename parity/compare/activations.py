@@ -20,6 +20,7 @@ give. A name the rules do not know resolves to no axis, as in a real run.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 from typing import Any, Mapping
@@ -81,19 +82,26 @@ def rows(
   `state`, `batch` and `dropout_base` may be abstract (ShapeDtypeStructs).
   """
   names = sorted({name for name, _ in rules})
-  devices = np.array(jax.devices()[:1]).reshape((1,) * len(names))  # traced, never run
-  mesh = jax.sharding.Mesh(devices, tuple(names))
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch, dropout_base))
   step = side.train_step_function()
+  if len(names) > NAMED_AXES_AT_ONCE:
+    # One mesh axis per name cannot hold a production model's rules (an array has at most
+    # 64 axes): a first trace finds the names the step asks for, the mesh takes only those.
+    names = sorted(set(_asked(step, abstract, names)) & set(names))
+    if len(names) > NAMED_AXES_AT_ONCE:
+      raise ValueError(f'activation constraints name {len(names)} logical axes in one train step;'
+                       f' at most {NAMED_AXES_AT_ONCE} can be read at once')
+  devices = np.array(jax.devices()[:1]).reshape((1,) * len(names))  # traced, never run
+  mesh = jax.sharding.Mesh(devices, tuple(names))
   with compat.use_mesh(mesh), nn.logical_axis_rules([(n, n) for n in names]), \
       compat.logical_constraint_names() as asked:
     jaxpr = jax.make_jaxpr(step)(*abstract)
-  unknown = sorted(set(asked) - set(names))
+  unknown = sorted(set(asked) - {name for name, _ in rules})
   if unknown:
     # flax would leave them unsharded on both sides: equal, and never compared.
     raise ValueError(
         f'activation constraints name logical axes the rules do not know: {unknown};'
-        f' rules know {names}. Add them to the rules (Pair(rules=...)) to compare them'
+        f' rules know {sorted({name for name, _ in rules})}. Add them to the rules (Pair(rules=...)) to compare them'
     )
   found: list[tuple] = []
   _constraints(jaxpr.jaxpr, (), found)
@@ -112,6 +120,40 @@ def rows(
         ),
     })
   return out
+
+
+# The most logical names read in one trace (one mesh axis each; numpy arrays have at most 64 axes).
+NAMED_AXES_AT_ONCE = 48
+
+
+def _asked(step, abstract, names) -> list[str]:
+  """The logical names the step's constraints ask for (a trace with every name unsharded)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('parity_names',))
+  with compat.use_mesh(mesh), nn.logical_axis_rules([(n, None) for n in names]), \
+      compat.logical_constraint_names() as asked:
+    jax.make_jaxpr(step)(*abstract)
+  return list(asked)
+
+
+def unnamed(rows_: list[Row]) -> bool:
+  """True when no constraint carries a logical name (the model resolved them itself, or none)."""
+  return all(name is None for row in rows_ for name in row['logical'])
+
+
+def physical_rows(side: Any, state: Any, batch: Any, dropout_base: Any) -> list[Row]:
+  """The activation constraints of `side`'s train step as its own mesh and rules resolve them
+  (a side placed on a mesh): the physical specs the program carries."""
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch, dropout_base))
+  context = getattr(side, 'tracing_context', contextlib.nullcontext)  # the side's mesh and rules
+  with context():
+    jaxpr = jax.make_jaxpr(side.train_step_function())(*abstract)
+  found: list[tuple] = []
+  _constraints(jaxpr.jaxpr, (), found)
+  return [{
+      'index': index, 'site': site, 'context': context, 'shape': [int(d) for d in aval.shape],
+      'dtype': np.dtype(aval.dtype).name, 'logical': [None] * len(aval.shape),
+      'physical': [_names(e) for e in spec] + [None] * (len(aval.shape) - len(spec)),
+  } for index, (site, context, aval, spec) in enumerate(found)]
 
 
 def _key(row: Row, sites: bool) -> tuple:

@@ -218,6 +218,10 @@ class Pair:
   # the Linen side's `rules` if it has them, else, for activation constraints,
   # the decoder's (parity.core.specs.DEFAULT_RULES), and for parameters none (replicated).
   rules: Sequence[tuple[str, Any]] | None = None
+  # True: the model resolves its activations' logical names to mesh axes itself (or constrains
+  # with mesh axes), so its constraints carry no logical name; the specs part then compares the
+  # physical specs they resolve to on each mesh instead of failing as having nothing to compare.
+  activations_resolved: bool = False
 
   def __post_init__(self):
     # Zero steps would compare no training at all, and pass.

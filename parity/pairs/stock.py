@@ -131,6 +131,10 @@ class _Stock:
     with self._context():
       return self._train_step.lower(state, batch, dropout_base)
 
+  def tracing_context(self):
+    """The context the side's steps are traced in (its mesh and rules), for a trace of its own."""
+    return self._context()
+
   @contextlib.contextmanager
   def _context(self):
     """The mesh (and the rules, if given) while tracing; nothing off a mesh."""
