@@ -155,15 +155,49 @@ def test_a_declared_ulp_bound_does_not_cover_integers():
 
   from parity.battery import checks as battery
 
-  declared = KnownDifference(('count', 'w'), ('train',), 'test', max_ulp=4)
+  declared = KnownDifference(('count', 'w'), ('train',), 'test', max_ulp=4, substitute=classifier.make_sides)
   pair = dataclasses.replace(classifier, known_differences=(declared,))
   a = {'count': np.int32(3), 'w': np.float32(1.0)}
   b = {'count': np.int32(4), 'w': np.nextafter(np.float32(1.0), np.float32(2.0))}
   with pytest.raises(AssertionError, match=r'count: .*declared bound 4 ULP, but these are not floats'):
     battery.compare(pair, 'train', a, b, 'final states')
   assert battery.compare(pair, 'train', {'w': a['w']}, {'w': b['w']}, 'final states') == [
-      'w: 1 ULP (declared bound 4: test)'
+      'w: 1 ULP (declared bound 4, measured maximum 1 ULP: test)'
   ]
+
+
+@pytest.mark.parametrize('declared,message', [
+    (dict(paths=('w',), max_ulp=4), 'has no substitution: a value bound is accepted only with `substitute=`'),
+    (dict(paths=('w',), max_ulp=5, substitute=True), 'is loose: the measured maximum is 1 ULP; declare max_ulp=1'),
+    (dict(paths=('params/*',), max_ulp=4, substitute=True), "covers a whole collection (params/*)"),
+    (dict(paths=('v',), max_ulp=4, substitute=True), 'nothing differs under it (measured maximum 0 ULP)'),
+], ids=['unproven', 'loose', 'global', 'vacuous'])
+def test_a_value_bound_must_be_proven_tight_and_a_modules(declared, message):
+  import numpy as np
+
+  from parity.battery import checks as battery
+
+  if declared.pop('substitute', False):
+    declared['substitute'] = classifier.make_sides
+  pair = dataclasses.replace(classifier, known_differences=(KnownDifference(passes=('train',), reason='test', **declared),))
+  w = np.float32(1.0)
+  with pytest.raises(AssertionError) as e:
+    battery.compare(pair, 'train', {'w': w}, {'w': np.nextafter(w, np.float32(2.0))}, 'final states')
+  assert message in str(e.value), str(e.value)
+
+
+@pytest.mark.xdist_group('parity-classifier')
+def test_a_global_bound_on_a_bitwise_pair_fails_naming_the_measured_maximum():
+  """`params/*` with a million ULP on a pair whose gradients are bit-identical: refused, with 0."""
+  from parity.battery import checks as battery
+
+  vacuous = KnownDifference(('params/*',), ('grads',), 'everything', max_ulp=10**6)
+  pair = dataclasses.replace(classifier, known_differences=classifier.known_differences + (vacuous,))
+  with pytest.raises(AssertionError) as e:
+    battery.check_grads(pair)
+  message = str(e.value)
+  assert "covers a whole collection (params/*)" in message and 'measured maximum here: 0 ULP' in message, message
+  assert 'nothing differs under it (measured maximum 0 ULP)' in message
 
 
 def test_a_differing_scalar_is_listed_before_the_arrays_it_explains():

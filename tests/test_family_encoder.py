@@ -91,6 +91,8 @@ STOCK = dataclasses.replace(CFG, nnx_attention='stock')
 STOCK_ATTENTION = KnownDifference(
     paths=tuple(f'layers_{i}/MultiHeadDotProductAttention_0' for i in range(CFG.num_layers)),
     passes=('forward',),
+    # Proven confined: NNX given Linen's attention formula, every value is bit for bit.
+    substitute=functools.partial(make_sides, dataclasses.replace(STOCK, nnx_attention='linen')),
     max_ulp=1536,  # measured: 1408 on jax 0.10, 1536 on jax 0.12 (portable CPU flags)
     reason=(
         'stock attention scales at another point: Linen (flax.linen.dot_product_attention_weights)'
@@ -114,7 +116,7 @@ encoder_stock_attention = Pair(
     functools.partial(make_sides, STOCK),
     functools.partial(encoder_batch, STOCK),
     known_differences=(STOCK_ATTENTION, STOCK_ATTENTION_PROGRAM),
-    parts=('structure', 'specs', 'localize', 'program'),
+    parts=('structure', 'specs', 'localize', 'program', 'substitution'),
     group='parity-encoder',  # the Linen side is the encoder pair's: its programs compile once
 )
 
@@ -264,3 +266,18 @@ def test_an_optimizer_attribute_is_placed_and_carried_on_a_mesh_by_its_logical_a
       " (Linen), got P() on data=2,fsdp=1,tensor=4 (NNX)"
   ) in lines
   assert battery.check_mesh(pair(True), MESH) == []
+
+
+@pytest.mark.xdist_group('parity-encoder')
+def test_a_substitution_that_does_not_remove_the_difference_fails():
+  """The stock-attention bound with a `substitute` that keeps the stock formula: the
+  substituted pair still differs, so the declaration is not proven confined."""
+  from parity.battery import checks as battery
+
+  unproven = dataclasses.replace(STOCK_ATTENTION, substitute=functools.partial(make_sides, STOCK))
+  pair = dataclasses.replace(encoder_stock_attention, known_differences=(unproven, STOCK_ATTENTION_PROGRAM))
+  with pytest.raises(AssertionError) as e:
+    battery.check_substitution(pair)
+  message = str(e.value)
+  assert 'the pair is still not bit-identical, so the declared modules are not the only difference' in message
+  assert 'MultiHeadDotProductAttention_0' in message

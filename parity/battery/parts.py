@@ -6,6 +6,8 @@ chooses some, and `parity compare --pair` compares what the pair's parts cover
 """
 PARTS = (
     'structure', 'specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'mesh', 'memory',
-    'program', 'localize',
+    'program', 'localize', 'substitution',
 )
+# Generated only for a pair that declares a value bound (parity.pairs.adapter.VALUE_PASSES).
+DECLARED_ONLY = ('substitution',)
 DIRECTIONS = ('linen->linen', 'linen->nnx', 'nnx->linen', 'nnx->nnx')

@@ -36,7 +36,7 @@ import sys
 import pytest
 
 from parity.env import map_limit  # imports no jax
-from parity.battery.parts import DIRECTIONS, PARTS  # neither
+from parity.battery.parts import DECLARED_ONLY, DIRECTIONS, PARTS  # neither
 
 # Nothing here imports jax when pytest loads the plugin: a project's conftest
 # sets XLA flags and jax's environment (compilation cache, platforms) first.
@@ -252,6 +252,9 @@ class _Battery:
   def test_localize(self, request):
     _record(request, 'localizer', battery.check_localize(self.pair))
 
+  def test_substitution(self, request):
+    _record(request, 'substitution', battery.check_substitution(self.pair))
+
 
 class PairClass(pytest.Class):
   """The collector of one declared pair: a test class made from the battery."""
@@ -273,6 +276,8 @@ class PairClass(pytest.Class):
             f' {unknown}; parts: {", ".join(PARTS)}'
         )
       wanted &= set(declared)
+    if not any(d.value_passes for d in self.obj.pair.known_differences):
+      wanted -= set(DECLARED_ONLY)  # nothing to substitute
     for item in super().collect():
       part = item.name.split('[')[0][len('test_'):]
       if part in wanted:

@@ -132,6 +132,10 @@ class Probe:
 # What a KnownDifference may declare: values of a pass ('grads', 'train',
 # 'eval'), the localizer's forward pass, the program, and its memory.
 PASSES = ('grads', 'train', 'eval', 'forward', 'program', 'memory')
+# Passes whose declared difference is a bound on values (ULP): each needs a substitution.
+VALUE_PASSES = ('grads', 'train', 'eval', 'forward')
+# A declared bound may be at most this many times the largest difference measured under it.
+TIGHTNESS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +159,15 @@ class KnownDifference:
   arguments, outputs and aliased bytes (the state) stay equal to the byte.
   `reason` (the cause, with its evidence) goes into the report and every
   failure message. A pass name the battery does not know is an error.
+
+  A value bound (any of `VALUE_PASSES`) is proven, never assumed: it needs
+  `substitute`, a `make_sides(mesh)` whose sides have the declared difference
+  removed (the NNX module given the Linen function, say); the battery's
+  `substitution` part runs the pair with it and requires every value bit for
+  bit, so the declared modules are the only source. A bound must be tight:
+  at most `TIGHTNESS` times the largest difference measured under it, and
+  something must differ. A pattern covering a whole collection
+  (`params/*`, `*`) is not a module's and is refused.
   """
 
   paths: tuple[str, ...]
@@ -163,6 +176,7 @@ class KnownDifference:
   max_ulp: int = 0
   max_changed_lines: int = 0
   max_temp_bytes: int = 0
+  substitute: Callable[[Any], Any] | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     for field in ('paths', 'passes'):
@@ -177,6 +191,35 @@ class KnownDifference:
           "KnownDifference passes: 'memory' only beside 'program' (memory may differ only where a"
           ' declared program difference explains it)'
       )
+
+  @property
+  def value_passes(self) -> tuple[str, ...]:
+    return tuple(p for p in self.passes if p in VALUE_PASSES)
+
+  def global_paths(self) -> list[str]:
+    """Patterns that cover a whole collection rather than a module's paths."""
+    return [p for p in self.paths if p in ('*', '/*') or (p.endswith('/*') and '/' not in p[:-2])]
+
+  def refusals(self, pass_name: str, measured: int) -> list[str]:
+    """Why this value bound is not accepted in `pass_name`, given the largest difference
+    measured under it (ULP): global, unproven or loose. Empty: accepted."""
+    out = []
+    what = f'KnownDifference({self.paths}, {pass_name!r}, max_ulp={self.max_ulp})'
+    if self.global_paths():
+      out.append(f'{what} covers a whole collection ({", ".join(self.global_paths())}): a global'
+                 f' bound proves nothing; declare the modules whose implementations differ, each'
+                 f' with its substitution (measured maximum here: {measured} ULP)')
+    if self.substitute is None:
+      out.append(f'{what} has no substitution: a value bound is accepted only with `substitute=`, a'
+                 f' make_sides(mesh) with the difference removed (e.g. the NNX module given the Linen'
+                 f' function), under which the battery requires every value bit for bit (measured'
+                 f' maximum here: {measured} ULP; docs/plugin.md, "Declared differences")')
+    if measured == 0:
+      out.append(f'{what}: nothing differs under it (measured maximum 0 ULP): remove the declaration')
+    elif self.max_ulp > TIGHTNESS * measured:
+      out.append(f'{what} is loose: the measured maximum is {measured} ULP; declare max_ulp={measured}'
+                 f' (a bound may be at most {TIGHTNESS} times what is measured)')
+    return out
 
   def admits_program(self, diff: Any, outside: Any) -> bool:
     """The rule for a declared program difference, one place for the battery and the runner:
