@@ -659,9 +659,9 @@ def test_a_dropout_drawing_from_a_stream_kept_in_the_nnx_model_is_named_with_the
 def test_an_rng_stream_kept_in_the_nnx_model_is_carried_outside_the_comparison():
   """`StockNnx(nnx_only=(nnx.RngState,))`, the default: the stream (`RngKey`, `RngCount`) is in
   the NNX state and its programs but in no checkpoint, so the numbers compare bit for bit;
-  a state made from a checkpoint takes it as `create(0)` makes it. The programs, memory and
-  sharding annotations are compared as they are: the NNX step carries the stream in and
-  out (12 bytes with threefry keys; on a mesh, after the numbers there, which are bit-identical)."""
+  a state made from a checkpoint takes it as `create(0)` makes it. Memory is accounted (its
+  12 bytes of threefry key and count off NNX's arguments and outputs), the program and the
+  mesh's annotations compared without it."""
   from parity.core import paths
   from parity.battery import checks as battery
   from parity.core.bitwise import assert_bitwise_equal
@@ -681,11 +681,11 @@ def test_an_rng_stream_kept_in_the_nnx_model_is_carried_outside_the_comparison()
   # The stream's bytes: its key data (2 uint32 for jax's default threefry keys) and its count.
   stream_bytes = sum(np.asarray(jax.random.key_data(x) if '/key' in p else x).nbytes
                      for p, x in paths.flatten(state).items() if p in stream)
-  with pytest.raises(AssertionError, match=rf'argument_bytes \+{stream_bytes} B'):
-    battery.check_memory(pair)
-  with pytest.raises(AssertionError, match=r'differ on data=8 \(the train metrics and final state there are'
-                     r' bit-identical\).*; arguments only in NNX: nnx-only/0/dropout/rngs/count,'):
-    battery.check_mesh(pair, 'data=8')
-  with pytest.raises(AssertionError, match=r'arguments only in NNX: nnx-only/0/dropout/rngs/count,'
-                     r' nnx-only/0/dropout/rngs/key\b'):
-    battery.check_program(pair)
+  # Declared state only NNX keeps is accounted, not a difference: memory equal once exactly its
+  # bytes are taken off NNX's arguments and outputs; the program compared without it (unused
+  # here: the step's key is passed at the call); its placement on the mesh checked apart.
+  (line,) = battery.check_memory(pair)
+  assert line.startswith(f'state only NNX keeps (2 leaves, {stream_bytes} B: 0/dropout/rngs/count,'
+                         f' 0/dropout/rngs/key): NNX arguments less {stream_bytes} B, outputs less'), line
+  battery.check_program(pair)
+  battery.check_mesh(pair, 'data=8')

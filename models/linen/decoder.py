@@ -2,7 +2,9 @@
 
 Mirrors models/nnx/decoder.py. Scanned layers use `nn.scan`, stacking
 parameters on `config.param_scan_axis` and inserting the logical axis
-'layers' there; per-layer dropout keys are scan inputs.
+'layers' there; per-layer dropout keys are scan inputs. With `decode=True`
+the attention layers keep a KV cache (models/linen/decode.py), stacked on
+CACHE_SCAN_AXIS when scanned.
 """
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ from models.linen.layers import MLP, Attention, DenseGeneral, Dropout, Embed, RM
 
 EMBED_AXES = ('activation_batch', 'activation_norm_length', 'activation_embed')
 
+# The scanned cache's layer axis: 0, not the parameters' axis, since the
+# scalar `cache_index` has no axis 1 (the same on the NNX side).
+CACHE_SCAN_AXIS = 0
+
 REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
     'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -27,13 +33,14 @@ class DecoderLayer(nn.Module):
 
   config: ModelConfig
   deterministic: bool = False
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x_BLE, positions_BL, segment_ids_BL, layer_key):
     cfg = self.config
     x_BLE = nn.with_logical_constraint(x_BLE, EMBED_AXES)
     h_BLE = RMSNorm(cfg, name='pre_self_attention_layer_norm')(x_BLE)
-    attn_BLE = Attention(cfg, name='self_attention')(h_BLE, positions_BL, segment_ids_BL)
+    attn_BLE = Attention(cfg, self.decode, name='self_attention')(h_BLE, positions_BL, segment_ids_BL)
     attn_BLE = Dropout(cfg.dropout_rate, self.deterministic)(attn_BLE, rng.site_key(layer_key, rng.Site.ATTENTION_OUTPUT))
     x_BLE = x_BLE + attn_BLE
     h_BLE = RMSNorm(cfg, name='post_self_attention_layer_norm')(x_BLE)
@@ -48,6 +55,7 @@ class Decoder(nn.Module):
 
   config: ModelConfig
   deterministic: bool = False
+  decode: bool = False
 
   @nn.compact
   def __call__(self, token_embedder: Embed, inputs_BL, positions_BL, segment_ids_BL, dropout_key):
@@ -58,7 +66,8 @@ class Decoder(nn.Module):
     keys = rng.layer_keys(dropout_key, cfg.num_layers)
 
     layer_cls = DecoderLayer
-    if cfg.remat_policy != 'none':
+    # Decoding takes no gradients: nothing to rematerialise.
+    if cfg.remat_policy != 'none' and not self.decode:
       layer_cls = nn.remat(
           layer_cls,
           policy=REMAT_POLICIES[cfg.remat_policy],
@@ -71,16 +80,21 @@ class Decoder(nn.Module):
           variable_axes={
               'params': cfg.param_scan_axis,
               fp8_ops.OVERWRITE_WITH_GRADIENT: cfg.param_scan_axis,
+              'cache': CACHE_SCAN_AXIS,
           },
           split_rngs={'params': True},
           in_axes=(nn.broadcast, nn.broadcast, 0),
           length=cfg.num_layers,
           metadata_params={nn.PARTITION_NAME: 'layers'},
       )
-      x_BLE, _ = stack(cfg, self.deterministic, name='layers')(x_BLE, positions_BL, segment_ids_BL, keys)
+      x_BLE, _ = stack(cfg, self.deterministic, self.decode, name='layers')(
+          x_BLE, positions_BL, segment_ids_BL, keys
+      )
     else:
       for i in range(cfg.num_layers):
-        x_BLE, _ = layer_cls(cfg, self.deterministic, name=f'layers_{i}')(x_BLE, positions_BL, segment_ids_BL, keys[i])
+        x_BLE, _ = layer_cls(cfg, self.deterministic, self.decode, name=f'layers_{i}')(
+            x_BLE, positions_BL, segment_ids_BL, keys[i]
+        )
 
     x_BLE = RMSNorm(cfg, name='decoder_norm')(x_BLE)
     if cfg.logits_via_embedding:
@@ -96,14 +110,19 @@ class Decoder(nn.Module):
 
 
 class Transformer(nn.Module):
-  """Token embedder plus decoder; variables read params/token_embedder, params/decoder."""
+  """Token embedder plus decoder; variables read params/token_embedder, params/decoder.
+
+  `decode=True`: autoregressive decoding with a KV cache in the 'cache'
+  collection (models/linen/decode.py).
+  """
 
   config: ModelConfig
   deterministic: bool = False
+  decode: bool = False
 
   @nn.compact
   def __call__(self, inputs_BL, positions_BL, segment_ids_BL, dropout_key):
     token_embedder = Embed(self.config, name='token_embedder')
-    return Decoder(self.config, self.deterministic, name='decoder')(
+    return Decoder(self.config, self.deterministic, self.decode, name='decoder')(
         token_embedder, inputs_BL, positions_BL, segment_ids_BL, dropout_key
     )

@@ -2,7 +2,8 @@
 
 Mirrors models/nnx/layers.py class for class. Parameters carry logical axes
 through `nn.with_logical_partitioning`; activations through
-`nn.with_logical_constraint` (a no-op outside a mesh).
+`nn.with_logical_constraint` (a no-op outside a mesh). Attention's decode
+mode keeps a KV cache in the 'cache' collection (models/linen/decode.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ Axes = tuple[str | None, ...]
 
 # Large negative but finite, so fully masked rows (padding) give no NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# Logical axes of a cached key or value, [batch, max length, kv heads, head dim].
+CACHE_AXES = ('cache_batch', 'cache_length', 'cache_kv_heads', 'cache_kv_head_dim')
 
 
 def kernel_init(in_axis, out_axis) -> nn.initializers.Initializer:
@@ -135,10 +139,32 @@ class Dropout(nn.Module):
     return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros_like(x))
 
 
+def cache_positions(index: jax.Array, batch: int, length: int) -> jax.Array:
+  """int32[batch, length]: positions of `length` new tokens written at cache slot `index` on."""
+  return jnp.broadcast_to(index + jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
+def cache_mask(positions_BL: jax.Array, cache_length: int) -> jax.Array:
+  """bool[B, L, S]: each token sees the cache slots up to its own position.
+
+  Causal within the new tokens, and the slots after them (not written yet:
+  zeros) are masked out.
+  """
+  return jnp.arange(cache_length, dtype=jnp.int32)[None, None, :] <= positions_BL[:, :, None]
+
+
 class Attention(nn.Module):
-  """Causal, segment-masked grouped-query attention with RoPE."""
+  """Causal, segment-masked grouped-query attention with RoPE.
+
+  With `decode=True`, an `init` creates the cache at its input's length (the
+  most tokens it will hold); each `apply(..., mutable=['cache'])` then
+  writes its tokens' keys and values at `cache_index` and attends to the
+  cache. Decoding reads positions from `cache_index` (not `positions_BL`)
+  and assumes one segment per row (`segment_ids_BL` is not read).
+  """
 
   config: ModelConfig
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x_BLE, positions_BL, segment_ids_BL):
@@ -150,6 +176,10 @@ class Attention(nn.Module):
     q_BLND = DenseGeneral((e,), (n, d), ('embed', 'q_heads', 'kv'), cfg, name='query')(x_BLE)
     k_BLKD = DenseGeneral((e,), (k, d), ('embed', 'kv_heads', 'kv_head_dim'), cfg, name='key')(x_BLE)
     v_BLKD = DenseGeneral((e,), (k, d), ('embed', 'kv_heads', 'kv_head_dim'), cfg, name='value')(x_BLE)
+    b, length = x_BLE.shape[:2]
+    cache = self._cache(k_BLKD) if self.decode else None
+    if cache is not None:
+      positions_BL = cache_positions(cache[2].value, b, length)
     qkv_axes = (
         'activation_kv_batch', 'activation_attn_length',
         'activation_kv_heads', 'activation_kv_head_dim',
@@ -158,22 +188,55 @@ class Attention(nn.Module):
     k_BLKD = nn.with_logical_constraint(apply_rope(k_BLKD, positions_BL, cfg), qkv_axes)
     v_BLKD = nn.with_logical_constraint(v_BLKD, qkv_axes)
 
-    b, length = x_BLE.shape[:2]
+    if cache is None:
+      k_BSKD, v_BSKD = k_BLKD, v_BLKD
+    else:
+      k_BSKD, v_BSKD = self._write_cache(cache, k_BLKD, v_BLKD)
     q_BLKGD = (q_BLND * d**-0.5).reshape(b, length, k, n // k, d)
     logits_BKGLS = jnp.einsum(
-        'blkgd,bskd->bkgls', q_BLKGD, k_BLKD, preferred_element_type=jnp.float32
+        'blkgd,bskd->bkgls', q_BLKGD, k_BSKD, preferred_element_type=jnp.float32
     )
-    causal_LS = jnp.tril(jnp.ones((length, length), jnp.bool_))
-    same_segment_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :]
-    mask_BLS = causal_LS[None] & same_segment_BLS
+    if cache is None:
+      causal_LS = jnp.tril(jnp.ones((length, length), jnp.bool_))
+      same_segment_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :]
+      mask_BLS = causal_LS[None] & same_segment_BLS
+    else:
+      mask_BLS = cache_mask(positions_BL, k_BSKD.shape[1])
     logits_BKGLS = jnp.where(mask_BLS[:, None, None], logits_BKGLS, MASK_VALUE)
     probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(q_BLND.dtype)
-    out_BLKGD = jnp.einsum('bkgls,bskd->blkgd', probs_BKGLS, v_BLKD)
+    out_BLKGD = jnp.einsum('bkgls,bskd->blkgd', probs_BKGLS, v_BSKD)
     out_BLND = nn.with_logical_constraint(
         out_BLKGD.reshape(b, length, n, d),
         ('activation_batch', 'activation_attn_length', 'activation_heads', 'activation_kv'),
     )
     return DenseGeneral((n, d), (e,), ('heads', 'kv', 'embed'), cfg, name='out')(out_BLND)
+
+  def _cache(self, k_BLKD):
+    """(cached_key, cached_value, cache_index) variables, or None while `init` creates them.
+
+    Created at the input's shape, so the `init` gives the cache its length.
+    The index is a scalar, replicated: no logical axes (as on the NNX side).
+    """
+    initialized = self.has_variable('cache', 'cached_key')
+    init = nn.with_logical_partitioning(jnp.zeros, CACHE_AXES)
+    cached_key = self.variable('cache', 'cached_key', init, k_BLKD.shape, k_BLKD.dtype)
+    cached_value = self.variable('cache', 'cached_value', init, k_BLKD.shape, k_BLKD.dtype)
+    cache_index = self.variable('cache', 'cache_index', jnp.zeros, (), jnp.int32)
+    return (cached_key, cached_value, cache_index) if initialized else None
+
+  def _write_cache(self, cache, k_BLKD, v_BLKD):
+    """Writes the new keys and values at the cache index, advances it; returns the whole cache."""
+    cached_key, cached_value, cache_index = cache
+    index = cache_index.value
+    k_BSKD = nn.with_logical_constraint(
+        jax.lax.dynamic_update_slice(cached_key.value, k_BLKD, (0, index, 0, 0)), CACHE_AXES
+    )
+    v_BSKD = nn.with_logical_constraint(
+        jax.lax.dynamic_update_slice(cached_value.value, v_BLKD, (0, index, 0, 0)), CACHE_AXES
+    )
+    cached_key.value, cached_value.value = k_BSKD, v_BSKD
+    cache_index.value = index + k_BLKD.shape[1]
+    return k_BSKD, v_BSKD
 
 
 class MLP(nn.Module):

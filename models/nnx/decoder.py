@@ -3,7 +3,8 @@
 Mirrors models/linen/decoder.py. Scanned layers are created with
 `nnx.vmap` (stacked on `config.nnx_scan_axis`, 'layers' inserted into the
 logical axes there) and applied with `nnx.scan`; per-layer dropout keys are
-scan inputs.
+scan inputs. `init_cache` and `decode = True` make the attention layers keep a
+KV cache (models/nnx/decode.py), stacked on CACHE_SCAN_AXIS when scanned.
 """
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from models.config import ModelConfig
 from models.nnx.layers import MLP, Attention, DenseGeneral, Dropout, Embed, RMSNorm, logical_constraint
 
 EMBED_AXES = ('activation_batch', 'activation_norm_length', 'activation_embed')
+
+# The scanned cache's layer axis: 0, not the parameters' axis, since the
+# scalar `cache_index` has no axis 1 (the same on the Linen side).
+CACHE_SCAN_AXIS = 0
 
 REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
@@ -106,6 +111,29 @@ class Decoder(nnx.Module):
           (cfg.emb_dim,), (cfg.vocab_size,), ('embed_vocab', 'vocab'), cfg, rngs=rngs
       )
     self.dropout = Dropout(cfg.dropout_rate)
+    self.decode = False  # set with the attention layers' (see Attention)
+
+  def _layer_axes(self) -> nnx.StateAxes:
+    """The stacked layers' state axes: parameters and fp8 state on the scan axis, caches on 0."""
+    ax = self.config.nnx_scan_axis
+    return nnx.StateAxes({nnx.Param: ax, nnx.Cache: CACHE_SCAN_AXIS, ...: ax})
+
+  def init_cache(self, batch: int, max_len: int):
+    """Creates every attention layer's empty cache (stacked like the layers when scanned)."""
+    cfg = self.config
+    if cfg.scan_layers:
+      @nnx.vmap(
+          in_axes=(self._layer_axes(),),
+          out_axes=None,
+          transform_metadata={nnx.PARTITION_NAME: 'layers'},
+      )
+      def init_stack(layer: DecoderLayer):
+        layer.self_attention.init_cache(batch, max_len)
+
+      init_stack(self.layers)
+    else:
+      for i in range(cfg.num_layers):
+        getattr(self, f'layers_{i}').self_attention.init_cache(batch, max_len)
 
   def __call__(self, token_embedder: Embed, inputs_BL, positions_BL, segment_ids_BL, dropout_key):
     cfg = self.config
@@ -115,15 +143,17 @@ class Decoder(nnx.Module):
     keys = rng.layer_keys(dropout_key, cfg.num_layers)
 
     apply_layer = _apply_layer
-    if cfg.remat_policy != 'none':
+    # Decoding takes no gradients: nothing to rematerialise.
+    if cfg.remat_policy != 'none' and not self.decode:
       apply_layer = _remat_layer(cfg.remat_policy, prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
       # The layers' state goes in as Linen's `nn.scan` takes it: the parameters,
       # then the rest (fp8 scaling state), each in path order. Without the split,
       # nnx.scan flattens them interleaved by path; the loop then carries the same
       # arrays in another order, which XLA:GPU schedules otherwise (05_fp8 on an
-      # H100: NNX +32 KiB temporaries, bitwise equal numbers).
-      layer_axes = nnx.StateAxes({nnx.Param: cfg.nnx_scan_axis, ...: cfg.nnx_scan_axis})
+      # H100: NNX +32 KiB temporaries, bitwise equal numbers). A cache (decoding) is
+      # scanned on its own axis and comes out updated.
+      layer_axes = self._layer_axes()
 
       @nnx.scan(
           in_axes=(nnx.Carry, layer_axes, None, None, 0),
@@ -151,12 +181,20 @@ class Decoder(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  """Token embedder plus decoder; parameter paths token_embedder/..., decoder/..."""
+  """Token embedder plus decoder; parameter paths token_embedder/..., decoder/...
+
+  Decoding with a KV cache: `init_cache`, then `set_attributes(decode=True)`
+  (models/nnx/decode.py).
+  """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.config = config
     self.token_embedder = Embed(config, rngs=rngs)
     self.decoder = Decoder(config, rngs=rngs)
+
+  def init_cache(self, batch: int, max_len: int):
+    """Creates the empty KV caches of `batch` rows and `max_len` positions."""
+    self.decoder.init_cache(batch, max_len)
 
   def __call__(self, inputs_BL, positions_BL, segment_ids_BL, dropout_key):
     return self.decoder(self.token_embedder, inputs_BL, positions_BL, segment_ids_BL, dropout_key)

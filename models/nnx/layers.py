@@ -3,7 +3,8 @@
 Mirrors models/linen/layers.py class for class. Submodules are attributes
 named as the Linen submodules, so parameter paths are the same. Parameters
 carry logical axes as `out_sharding` metadata (parity.core.compat.nnx_param);
-activations through `logical_constraint` (a no-op outside a mesh).
+activations through `logical_constraint` (a no-op outside a mesh). Attention's
+decode mode keeps a KV cache in `nnx.Cache` variables (models/nnx/decode.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ Axes = tuple[str | None, ...]
 
 # Large negative but finite, so fully masked rows (padding) give no NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# Logical axes of a cached key or value, [batch, max length, kv heads, head dim].
+CACHE_AXES = ('cache_batch', 'cache_length', 'cache_kv_heads', 'cache_kv_head_dim')
 
 
 def logical_constraint(x: jax.Array, logical_axes: Axes) -> jax.Array:
@@ -195,8 +199,29 @@ class Dropout(nnx.Module):
     return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros_like(x))
 
 
+def cache_positions(index: jax.Array, batch: int, length: int) -> jax.Array:
+  """int32[batch, length]: positions of `length` new tokens written at cache slot `index` on."""
+  return jnp.broadcast_to(index + jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
+def cache_mask(positions_BL: jax.Array, cache_length: int) -> jax.Array:
+  """bool[B, L, S]: each token sees the cache slots up to its own position.
+
+  Causal within the new tokens, and the slots after them (not written yet:
+  zeros) are masked out.
+  """
+  return jnp.arange(cache_length, dtype=jnp.int32)[None, None, :] <= positions_BL[:, :, None]
+
+
 class Attention(nnx.Module):
-  """Causal, segment-masked grouped-query attention with RoPE."""
+  """Causal, segment-masked grouped-query attention with RoPE.
+
+  Decoding: `init_cache` creates the cache (the most tokens it will hold),
+  then `decode = True` (`model.set_attributes(decode=True)`); each call
+  writes its tokens' keys and values at `cache_index` and attends to the
+  cache. Decoding reads positions from `cache_index` (not `positions_BL`)
+  and assumes one segment per row (`segment_ids_BL` is not read).
+  """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     cfg = self.config = config
@@ -205,6 +230,18 @@ class Attention(nnx.Module):
     self.key = DenseGeneral((e,), (k, d), ('embed', 'kv_heads', 'kv_head_dim'), cfg, rngs=rngs)
     self.value = DenseGeneral((e,), (k, d), ('embed', 'kv_heads', 'kv_head_dim'), cfg, rngs=rngs)
     self.out = DenseGeneral((n, d), (e,), ('heads', 'kv', 'embed'), cfg, rngs=rngs)
+    self.decode = False
+
+  def init_cache(self, batch: int, max_len: int):
+    """Creates the empty cache: `cached_key`, `cached_value` [batch, max_len, kv heads, head dim]
+    and `cache_index`, a scalar, replicated: no logical axes (as on the Linen side; and
+    `nnx.scan` cannot carry an empty `out_sharding` through, flax 0.12.8 and 0.12.12)."""
+    cfg = self.config
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    dtype = jnp.dtype(cfg.activation_dtype)
+    self.cached_key = nnx.Cache(jnp.zeros(shape, dtype), **compat.nnx_axes_metadata(CACHE_AXES))
+    self.cached_value = nnx.Cache(jnp.zeros(shape, dtype), **compat.nnx_axes_metadata(CACHE_AXES))
+    self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
 
   def __call__(self, x_BLE, positions_BL, segment_ids_BL):
     cfg = self.config
@@ -215,6 +252,9 @@ class Attention(nnx.Module):
     q_BLND = self.query(x_BLE)
     k_BLKD = self.key(x_BLE)
     v_BLKD = self.value(x_BLE)
+    b, length = x_BLE.shape[:2]
+    if self.decode:
+      positions_BL = cache_positions(self.cache_index[...], b, length)
     qkv_axes = (
         'activation_kv_batch', 'activation_attn_length',
         'activation_kv_heads', 'activation_kv_head_dim',
@@ -223,22 +263,41 @@ class Attention(nnx.Module):
     k_BLKD = logical_constraint(apply_rope(k_BLKD, positions_BL, cfg), qkv_axes)
     v_BLKD = logical_constraint(v_BLKD, qkv_axes)
 
-    b, length = x_BLE.shape[:2]
+    if not self.decode:
+      k_BSKD, v_BSKD = k_BLKD, v_BLKD
+    else:
+      k_BSKD, v_BSKD = self._write_cache(k_BLKD, v_BLKD)
     q_BLKGD = (q_BLND * d**-0.5).reshape(b, length, k, n // k, d)
     logits_BKGLS = jnp.einsum(
-        'blkgd,bskd->bkgls', q_BLKGD, k_BLKD, preferred_element_type=jnp.float32
+        'blkgd,bskd->bkgls', q_BLKGD, k_BSKD, preferred_element_type=jnp.float32
     )
-    causal_LS = jnp.tril(jnp.ones((length, length), jnp.bool_))
-    same_segment_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :]
-    mask_BLS = causal_LS[None] & same_segment_BLS
+    if not self.decode:
+      causal_LS = jnp.tril(jnp.ones((length, length), jnp.bool_))
+      same_segment_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :]
+      mask_BLS = causal_LS[None] & same_segment_BLS
+    else:
+      mask_BLS = cache_mask(positions_BL, k_BSKD.shape[1])
     logits_BKGLS = jnp.where(mask_BLS[:, None, None], logits_BKGLS, MASK_VALUE)
     probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(q_BLND.dtype)
-    out_BLKGD = jnp.einsum('bkgls,bskd->blkgd', probs_BKGLS, v_BLKD)
+    out_BLKGD = jnp.einsum('bkgls,bskd->blkgd', probs_BKGLS, v_BSKD)
     out_BLND = logical_constraint(
         out_BLKGD.reshape(b, length, n, d),
         ('activation_batch', 'activation_attn_length', 'activation_heads', 'activation_kv'),
     )
     return self.out(out_BLND)
+
+  def _write_cache(self, k_BLKD, v_BLKD):
+    """Writes the new keys and values at the cache index, advances it; returns the whole cache."""
+    index = self.cache_index[...]
+    k_BSKD = logical_constraint(
+        jax.lax.dynamic_update_slice(self.cached_key[...], k_BLKD, (0, index, 0, 0)), CACHE_AXES
+    )
+    v_BSKD = logical_constraint(
+        jax.lax.dynamic_update_slice(self.cached_value[...], v_BLKD, (0, index, 0, 0)), CACHE_AXES
+    )
+    self.cached_key[...], self.cached_value[...] = k_BSKD, v_BSKD
+    self.cache_index[...] = index + k_BLKD.shape[1]
+    return k_BSKD, v_BSKD
 
 
 class MLP(nnx.Module):

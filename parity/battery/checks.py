@@ -631,11 +631,18 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
   )
   batch, key = runs.batch(0, mesh_spec=mesh_spec), runs.dropout_base()
   names, annotations = [], []
+  placement = []
   for side in (linen, nnx_side):
     state = side.from_checkpoint(runs.start('linen', mesh_spec))
-    lowered = side.lower_train_step(state, batch, key)
-    names.append(set(side.argument_names(lowered, state, batch, key)))
+    placement += getattr(side, 'nnx_only_placement', lambda state: [])(state)
+    # As the program part compares them: state only one side keeps left out (its placement
+    # checked apart, below), the step counter typed alike.
+    compared = side.comparison_state(state)
+    lowered = getattr(side, 'lower_for_comparison', side.lower_train_step)(compared, batch, key)
+    names.append(set(side.argument_names(lowered, compared, batch, key)))
     annotations.append(programs.sharding_annotations(lowered.as_text()))
+  assert not placement, (f'{pair.name}: state only NNX keeps is not where the side places its state'
+                         f' on {mesh_spec}:\n  ' + '\n  '.join(placement))
   a, b = annotations
   try:
     found = compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
@@ -697,9 +704,13 @@ def check_memory(pair: adapter.Pair) -> list[str]:
       f'{pair.name}: XLA memory analysis not measured on {device.platform} (fields missing: {missing});'
       ' nothing compared. Leave the memory part out on a backend without it (--parity-parts)'
   )
+  accounted = []
+  account = getattr(runs.side('nnx'), 'nnx_only_accounting', None)
+  if account is not None and account()['paths']:
+    mem[1], accounted = _without_nnx_only(account(), *mem, runs.compiled('linen'), runs.compiled('nnx'))
   drift = runner.memory_drift(*mem)
   if not drift:
-    return []
+    return accounted
   known = pair.program_difference()
   if runner.declared_memory_admits(known, *mem):
     return [f'memory differs within the declared bound (NNX {", ".join(drift)}; at most'
@@ -714,6 +725,31 @@ def check_memory(pair: adapter.Pair) -> list[str]:
          f' {known.max_temp_bytes:,} B each, everything else equal)')
       + (f'; in the programs, {growth}' if growth else '')
   )
+
+
+def _output_entry_bytes(compiled) -> int:
+  """What XLA counts per output beyond its data (the output tuple's table), from a step."""
+  leaves = jax.tree.leaves(compiled.executable.out_info)
+  data = sum(int(np.prod(x.shape)) * (8 if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+                                      else np.dtype(x.dtype).itemsize) for x in leaves)
+  extra = compiled.memory(jax.devices()[0])['output_bytes'] - data
+  return extra // len(leaves) if leaves and extra % len(leaves) == 0 else 0
+
+
+def _without_nnx_only(account, linen_mem, nnx_mem, linen_compiled, nnx_compiled):
+  """NNX's memory analysis less exactly the `nnx_only` state's bytes (arguments; outputs with
+  their entries in the output table, as measured on Linen's step), and the accounting line."""
+  n, data = len(account['paths']), account['bytes']
+  entry = _output_entry_bytes(linen_compiled)
+  adjusted = dict(nnx_mem)
+  adjusted['argument_bytes'] -= data
+  adjusted['output_bytes'] -= data + n * entry
+  adjusted['peak_bytes'] = (adjusted['argument_bytes'] + adjusted['output_bytes'] + adjusted['temp_bytes']
+                            - adjusted['alias_bytes'])
+  line = (f'state only NNX keeps ({n} leaves, {data:,} B: {", ".join(account["paths"])}): NNX arguments'
+          f' less {data:,} B, outputs less {data + n * entry:,} B ({data:,} B and {n} x {entry} B of the'
+          f' output table, as on Linen\'s step); every other byte accounted')
+  return adjusted, [line]
 
 
 def check_program(pair: adapter.Pair) -> list[str]:

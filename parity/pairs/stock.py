@@ -41,6 +41,13 @@ from parity.compare import localize
 from parity.compare import scopes
 
 
+def _data_bytes(x: Any) -> int:
+  """The bytes of an array's data (a typed key array: its key data)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+  return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+
 def _replicated(mesh, tree):
   return jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree)
 
@@ -372,7 +379,53 @@ class StockNnx(_Stock):
     sample = self._merge(self.template)[0]
     # Traced anew: in the same trace context every jit, the user's `nnx.jit` too, reuses its trace.
     with compat.fresh_trace(), scopes.nnx_module_scopes(sample, self.renames.to_linen):
+      if self._nnx_only_paths and self._is_reduced(state):
+        with self._context():
+          return self._reduced_step.lower(state, batch, dropout_base)
       return self.lower_train_step(state, batch, dropout_base)
+
+  # -- state only this side keeps (`nnx_only`), left out of the compared program --------
+
+  def _is_reduced(self, state) -> bool:
+    return not (set(paths.flatten(state)) & self._nnx_only_paths)
+
+  def _split_only(self, state):
+    """(the `nnx_only` state, the rest) of a state."""
+    return nnx.split_state(state, nnx.Any(*self.nnx_only), ...)
+
+  @functools.cached_property
+  def _reduced_step(self):
+    """The train step on the state without the `nnx_only` leaves: they enter as `create(0)`'s
+    values, constants of the program, and leave unreturned. Unused (a stream nothing draws
+    from), they vanish from the program; used, their uses remain, on constants."""
+    only = self._nnx_only_state
+
+    def fn(state, batch, dropout_base):
+      here = jax.tree.map(lambda x: x, only)  # Variables of this trace (the values: constants)
+      new_state, metrics = self._train_fn(nnx.merge_state(state, here), batch, dropout_base)
+      return self._split_only(new_state)[1], metrics
+
+    if self.mesh is None:
+      return jax.jit(fn)
+    return jax.jit(fn, out_shardings=(self._split_only(self.state_shardings)[1], None))
+
+  def nnx_only_accounting(self) -> dict[str, Any]:
+    """What the `nnx_only` state adds to the train step: its leaves, by path, and their bytes."""
+    flat = paths.flatten(self.template)
+    leaves = {p: flat[p] for p in sorted(self._nnx_only_paths)}
+    return {'paths': list(leaves), 'bytes': sum(_data_bytes(x) for x in leaves.values())}
+
+  def nnx_only_placement(self, state) -> list[str]:
+    """Each `nnx_only` leaf of a placed state not where the side's shardings put it."""
+    if self.mesh is None or not self._nnx_only_paths:
+      return []
+    flat, target = paths.flatten(state), paths.flatten(self.state_shardings)
+    out = []
+    for p in sorted(self._nnx_only_paths):
+      got, want = flat[p].sharding, target.get(p)
+      if want is not None and not got.is_equivalent_to(want, np.ndim(flat[p])):
+        out.append(f'nnx-only/{p}: {got}; expected {want}')
+    return out
 
   @functools.cached_property
   def _eval_step(self):
@@ -434,7 +487,8 @@ class StockNnx(_Stock):
     """Checkpoint paths, and `nnx-only/<path>` for the state no checkpoint holds."""
     def leaves(tree):
       flat = paths.flatten(tree)
-      return {**self._checkpoint_leaves(tree), **{f'nnx-only/{p}': flat[p] for p in self._nnx_only_paths}}
+      return {**self._checkpoint_leaves(tree),
+              **{f'nnx-only/{p}': flat[p] for p in self._nnx_only_paths if p in flat}}
 
     return adapter.step_argument_names(lowered, state, batch, leaves)
 
@@ -449,7 +503,11 @@ class StockNnx(_Stock):
     }
 
   def comparison_state(self, state):
-    return state
+    """The state without the `nnx_only` leaves (a Linen TrainState has none): the compared
+    program takes them as constants and leaves them unreturned (`lower_for_comparison`)."""
+    if not self._nnx_only_paths:
+      return state
+    return self._split_only(state)[1]
 
   def probe(self, state, batch, dropout_key) -> adapter.Probe:
     with self._context():
