@@ -18,9 +18,11 @@ CFG = LmConfig(nnx_attention='linen')
 
 def make_sides(mesh, cfg=CFG):
   linen = parity.StockLinen(functools.partial(linen_lm.create_train_state, cfg), linen_lm.train_step,
-                            linen_lm.eval_step, linen_lm.loss_fn, mesh=mesh, rules=LM_RULES)
+                            linen_lm.eval_step, linen_lm.loss_fn, mesh=mesh, rules=LM_RULES,
+                            forward=linen_lm.forward)  # eval-mode logits, compared bit for bit
   nnx_side = parity.StockNnx(functools.partial(nnx_lm.create_train_state, cfg), nnx_lm.train_step,
                              nnx_lm.eval_step, nnx_lm.loss_fn, mesh=mesh, rules=LM_RULES,
+                             forward=nnx_lm.forward,
                              dropout_keys='linen')  # stock dropout: Linen's make_rng keys
   return linen, nnx_side
 

@@ -553,9 +553,19 @@ def check_eval(pair: adapter.Pair) -> list[str]:
   def evaluate(side, state):
     return adapter.checked_metrics(pair.name, side, 'eval_step', side.eval_step(state, batch), need_loss=False)
 
+  outputs = [getattr(side, 'eval_outputs', lambda *a: None)(state, batch)
+             for side, state in ((linen_side, linen_state), (nnx_side, nnx_side.from_checkpoint(trained)))]
+  if (outputs[0] is None) != (outputs[1] is None):
+    raise AssertionError(f'{pair.name}: one side gives its eval-mode outputs (`forward`), the other does'
+                         ' not: give both, so that the outputs are compared, or neither')
+  notes = ['eval-mode outputs: not compared (give both sides `forward=`: a metric can round a'
+           ' difference in the outputs away)'] if outputs[0] is None else []
+  if outputs[0] is not None:
+    notes = compare(pair, 'eval', {'outputs': outputs[0]}, {'outputs': outputs[1]},
+                    f'eval-mode outputs from one state (the Linen run\'s after {pair.steps} steps)')
   linen_metrics = evaluate(linen_side, linen_state)
-  seen = compare(pair, 'eval', linen_metrics, evaluate(nnx_side, nnx_side.from_checkpoint(trained)),
-                 f'eval metrics from one state (the Linen run\'s after {pair.steps} steps)')
+  seen = notes + compare(pair, 'eval', linen_metrics, evaluate(nnx_side, nnx_side.from_checkpoint(trained)),
+                         f'eval metrics from one state (the Linen run\'s after {pair.steps} steps)')
   *_, nnx_state = runs.trajectory('nnx', 'linen')
   own = compare(pair, 'eval', linen_metrics, evaluate(nnx_side, nnx_state),
                 'eval metrics after each side\'s own training (the eval steps agree from one state:'

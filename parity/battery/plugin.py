@@ -229,8 +229,8 @@ class _Battery:
   def test_train(self, init_side, request):
     _record(request, 'declared_differences', battery.check_train(self.pair, init_side))
 
-  def test_eval(self):
-    battery.check_eval(self.pair)
+  def test_eval(self, request):
+    _record(request, 'eval', battery.check_eval(self.pair))
 
   @pytest.mark.parametrize('direction', DIRECTIONS)
   def test_checkpoints(self, direction):

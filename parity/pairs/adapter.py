@@ -70,6 +70,10 @@ class Side(Protocol):
   def eval_step(self, state: Any, batch: Any) -> Mapping[str, jax.Array]:
     """Metrics of the model in eval mode."""
 
+  def eval_outputs(self, state: Any, batch: Any) -> Any:
+    """Optional: the model's eval-mode outputs (its logits), compared bit for bit by the eval
+    part beside the metrics; None where the side gives none."""
+
   def value_and_grads(self, state: Any, batch: Any, dropout_key: jax.Array) -> tuple[Any, Flat]:
     """(loss or (loss, aux), `{checkpoint path of a parameter: gradient}`) of one train-mode pass."""
 
@@ -298,8 +302,9 @@ def side_members() -> list[str]:
 
 
 # Only the localizer calls `probe`: a side without it runs every other part (the
-# localize part fails naming it, and failures carry no localizer finding).
-OPTIONAL_MEMBERS = ('probe',)
+# localize part fails naming it, and failures carry no localizer finding). Without
+# `eval_outputs` the eval part compares the metrics alone, and says so.
+OPTIONAL_MEMBERS = ('probe', 'eval_outputs')
 
 
 def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side, Side]:

@@ -173,6 +173,9 @@ class StockLinen(_Stock):
   batch_axis: str = 'data'
   rules: tuple[tuple[str, Any], ...] | None = None  # logical axis rules (None: replicate the state)
   name: str = 'linen'
+  # forward(state, batch) -> the model's eval-mode outputs (its logits): compared bit for bit by
+  # the eval part, beside the metrics eval_step returns (which may round a difference away).
+  forward: Callable[..., Any] | None = None
 
   @property
   def stock_linen(self) -> 'StockLinen':
@@ -209,6 +212,17 @@ class StockLinen(_Stock):
   @functools.cached_property
   def _eval_step(self):
     return self._jit(self.eval_step_fn, state_out=False)
+
+  @functools.cached_property
+  def _forward(self):
+    return None if self.forward is None else self._jit(self.forward, state_out=False)
+
+  def eval_outputs(self, state, batch) -> Any:
+    """`forward(state, batch)`, the model's eval-mode outputs (None: no `forward` given)."""
+    if self._forward is None:
+      return None
+    with self._context():
+      return self._forward(state, batch)
 
   @functools.cached_property
   def _value_and_grads(self):
@@ -280,6 +294,8 @@ class StockNnx(_Stock):
   batch_axis: str = 'data'
   rules: tuple[tuple[str, Any], ...] | None = None  # logical axis rules (None: replicate the state)
   name: str = 'nnx'
+  # forward(model, batch) -> the model's eval-mode outputs (its logits), as StockLinen's `forward`.
+  forward: Callable[..., Any] | None = None
   collections: tuple[tuple[type, str], ...] = bridge_stock.DEFAULT_COLLECTIONS
   # (optimizer attribute, Linen train-state field): what the optimizer holds besides
   # step and opt_state, e.g. (('ema', 'ema_params'),) (parity.pairs.stock_layout.nnx_to_checkpoint).
@@ -436,6 +452,23 @@ class StockNnx(_Stock):
       return self.eval_step_fn(model, batch)
 
     return self._jit(fn, state_out=False)
+
+  @functools.cached_property
+  def _forward(self):
+    if self.forward is None:
+      return None
+
+    def fn(state, batch):
+      return self.forward(self._merge(state)[0], batch)
+
+    return self._jit(fn, state_out=False)
+
+  def eval_outputs(self, state, batch) -> Any:
+    """`forward(model, batch)`, the model's eval-mode outputs (None: no `forward` given)."""
+    if self._forward is None:
+      return None
+    with self._context():
+      return self._forward(state, batch)
 
   @functools.cached_property
   def _value_and_grads(self):
