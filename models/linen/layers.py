@@ -188,6 +188,8 @@ class Attention(nn.Module):
     k_BLKD = nn.with_logical_constraint(apply_rope(k_BLKD, positions_BL, cfg), qkv_axes)
     v_BLKD = nn.with_logical_constraint(v_BLKD, qkv_axes)
 
+    # Two branches around the first einsum, so that training traces its ops in the order it
+    # always has (the mask after the einsum): the same program as before decoding existed.
     if cache is None:
       k_BSKD, v_BSKD = k_BLKD, v_BLKD
     else:

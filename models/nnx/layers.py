@@ -230,7 +230,7 @@ class Attention(nnx.Module):
     self.key = DenseGeneral((e,), (k, d), ('embed', 'kv_heads', 'kv_head_dim'), cfg, rngs=rngs)
     self.value = DenseGeneral((e,), (k, d), ('embed', 'kv_heads', 'kv_head_dim'), cfg, rngs=rngs)
     self.out = DenseGeneral((n, d), (e,), ('heads', 'kv', 'embed'), cfg, rngs=rngs)
-    self.decode = False
+    self.decode = False  # set_attributes(decode=True), after init_cache
 
   def init_cache(self, batch: int, max_len: int):
     """Creates the empty cache: `cached_key`, `cached_value` [batch, max_len, kv heads, head dim]
@@ -263,6 +263,8 @@ class Attention(nnx.Module):
     k_BLKD = logical_constraint(apply_rope(k_BLKD, positions_BL, cfg), qkv_axes)
     v_BLKD = logical_constraint(v_BLKD, qkv_axes)
 
+    # Two branches around the first einsum, so that training traces its ops in the order it
+    # always has (the mask after the einsum): the same program as before decoding existed.
     if not self.decode:
       k_BSKD, v_BSKD = k_BLKD, v_BLKD
     else:

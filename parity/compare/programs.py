@@ -247,6 +247,7 @@ class _Statement:
 # A reference to a value, or to one result of a multi-result operation.
 _REF = re.compile(r'(%[A-Za-z_][\w$.-]*|%\d+)(#\d+)?')
 _WHILE = re.compile(r'^(%_(?::\d+)?) = stablehlo\.while\((.*)\) : (.*)$')
+_BARRIER = re.compile(r'^(%_(?::\d+)?) = stablehlo\.optimization_barrier (.*) : (.*)$')
 _CALL_OPERANDS = re.compile(r'\bcall (@[\w$.-]+)\(([^()]*)\)')
 _CALL_LINE = re.compile(
     r'^(%_(?::\d+)? = )?((?:func\.)?call) (@[\w$.-]+)\(([^()]*)\) : \(([^()]*)\) -> (.*)$'
@@ -352,6 +353,8 @@ class _Canonicalizer:
       else:
         parts.append(('region', [line]))
     out = self._while(parts, scope, depth) if _WHILE.match(header) else None
+    if out is None and len(parts) == 1 and _BARRIER.match(header):
+      out = self._barrier(header, scope)
     if out is None:
       out = self._generic(parts, scope, depth)
     out, result_order = out
@@ -475,6 +478,25 @@ class _Canonicalizer:
         new_index = None
     line = f'{lhs}{keyword} {name}({", ".join(operands)}) : ({", ".join(types)}) -> {results}'
     return line, new_index
+
+  def _barrier(self, header: str, scope: dict[str, str]) -> tuple[list[str], dict[int, int]] | None:
+    """An optimization barrier with its operands (and so its results) in a canonical order.
+
+    Rematerialisation puts the values it saves behind one barrier, in the order
+    its implementation collects them: Linen's `nn.remat` and `jax.checkpoint`
+    over NNX state pass the same operands in another order. Each operand is
+    keyed by its type and its value; results follow their operands.
+    """
+    m = _BARRIER.match(header)
+    operands = [_substitute(o.strip(), scope) for o in _split_top_level(m.group(2))]
+    types = _split_top_level(m.group(3))
+    if len(operands) != len(types):
+      return None
+    order, _ = _canonical_indices([f'{types[i]}|{operands[i]}' for i in range(len(operands))])
+    position = {old: new for new, old in enumerate(order)}
+    out = (f'{m.group(1)} = stablehlo.optimization_barrier {", ".join(operands[i] for i in order)}'
+           f' : {", ".join(types[i] for i in order)}')
+    return [out], position
 
   def _while(self, parts, scope, depth) -> tuple[list[str], dict[int, int]] | None:
     """A while loop with its loop-carried values in a canonical order.
