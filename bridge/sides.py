@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bridge import decode as bridge_decode
 from bridge import layout as layout_lib
 from parity.core import paths
 from parity.core import specs as specs_lib
@@ -33,7 +34,9 @@ from bridge import train_state as bridge_state
 from models import data, rng
 from parity.core import compat
 from models.config import ModelConfig, TrainConfig
+from models.linen import decode as linen_decode
 from models.linen import train as linen_train
+from models.nnx import decode as nnx_decode
 from models.nnx import train as nnx_train
 from parity.pairs import adapter
 from parity.compare import localize
@@ -266,6 +269,13 @@ class LinenSide(_Placement):
     with self.context():
       return localize.linen_probe(loss, True, state, batch, dropout_key)
 
+  def decode(self, state, prompt, steps, key, temperature) -> dict[str, Any]:
+    """Decoding with the KV cache (models/linen/decode.py), the cache in the common layout."""
+    with self.context():
+      tokens, logits, cache = linen_decode.decode(
+          self.model_cfg, linen_train.model_variables(state), prompt, steps, key, temperature)
+    return {'tokens': tokens, 'logits': logits, 'cache': bridge_decode.linen_cache(cache)}
+
   def forward(self, state, batch, dropout_key):
     with self.context():
       return _linen_forward(self.model_cfg, linen_train.model_variables(state), batch, dropout_key)
@@ -379,6 +389,13 @@ class NnxSide(_Placement):
           prefix='params/params/', to_linen=self.layout.array_to_linen,
           call_key=_linen_dropout_call,
       )
+
+  def decode(self, state, prompt, steps, key, temperature) -> dict[str, Any]:
+    """Decoding with the KV cache (models/nnx/decode.py), the cache in the common layout."""
+    with self.context():
+      model = nnx.merge(self.graphdef, state)[0]
+      tokens, logits, cache = nnx_decode.decode(self.model_cfg, model, prompt, steps, key, temperature)
+    return {'tokens': tokens, 'logits': logits, 'cache': bridge_decode.nnx_cache(cache)}
 
   def forward(self, state, batch, dropout_key):
     with self.context():

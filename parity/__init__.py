@@ -26,6 +26,7 @@ _EXPORTS = {
     'Pair': ('parity.pairs.adapter', 'Pair'),
     'Side': ('parity.pairs.adapter', 'Side'),
     'KnownDifference': ('parity.pairs.adapter', 'KnownDifference'),
+    'Decode': ('parity.pairs.adapter', 'Decode'),
     'Probe': ('parity.pairs.adapter', 'Probe'),
     'BatchError': ('parity.pairs.adapter', 'BatchError'),
     'SideError': ('parity.pairs.adapter', 'SideError'),

@@ -18,19 +18,25 @@ from __future__ import annotations
 
 import functools
 
-from parity import Pair
+from parity import Decode, Pair
 from models import data
 from models.config import SCENARIOS, get_configs
+from bridge import decode as bridge_decode
 from bridge.sides import make_sides
+from parity.core import specs
 
 STEPS = 10  # as the runner's side-by-side runs (tests/runs.py)
 PARTS = ('structure', 'specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume')
 # The localizer on a scanned stack (probed through its unscanned twin) and on unscanned layers.
 LOCALIZED = ('01_baseline', '02_unscanned')
+# Decoding with the KV cache (a 16-token prompt, 32 tokens), greedy and sampled, one device and data=8.
+DECODED = ('01_baseline', '02_unscanned')
+DECODE_PROMPT, DECODE_STEPS = 16, 32
 
 
 def _sides(cfgs, mesh):
-  return make_sides(*cfgs, mesh)
+  # The decoder's rules and its KV cache's (the decode part places the cache by them).
+  return make_sides(*cfgs, mesh, specs.DEFAULT_RULES + bridge_decode.CACHE_RULES)
 
 
 def _batch(cfgs, step, split='train'):
@@ -44,8 +50,9 @@ def _pair(scenario: str) -> Pair:
       functools.partial(_sides, cfgs),
       functools.partial(_batch, cfgs),
       steps=STEPS,
-      parts=PARTS + (('localize',) if scenario in LOCALIZED else ()),
+      parts=PARTS + (('localize',) if scenario in LOCALIZED else ()) + (('decode',) if scenario in DECODED else ()),
       group=scenario,
+      decode=Decode(prompt=lambda batch: batch['inputs'][:, :DECODE_PROMPT], steps=DECODE_STEPS),
   )
 
 

@@ -10,12 +10,21 @@ the kit's step key) and forwarded to each dropout. Parameters carry their
 mesh axes, already resolved (`lm_axis_rules`, LM_RULES). The stock attention
 (`jax.nn.dot_product_attention`) sums otherwise than Linen's even where its
 scaling is exact: it vmaps over a query-group axis (here of size 1).
+
+Decoding (`decode`) uses the stock attention's KV cache: a copy of the model
+given `init_cache` (each attention's) and `set_attributes(decode=True)`, its
+`nnx.Cache` variables written one token a call (the stock cache takes no
+more), with no causal mask (the stock attention masks the slots past its
+cache index itself).
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
+from flax import nnx, traverse_util
 
 import parity
 from models.families import LmConfig, lm_axis_rules
@@ -70,13 +79,19 @@ class LanguageModel(nnx.Module):
     self.final_norm = nnx.LayerNorm(cfg.emb_dim, rngs=rngs)
     self.head = nnx.Linear(cfg.emb_dim, cfg.vocab_size, rngs=rngs,
                            kernel_init=_init(nnx.initializers.lecun_normal(), 'embed', 'vocab'))
+    self.decode = False  # True (set_attributes, after init_cache): one token a call through the cache
 
   def __call__(self, tokens, train: bool = False, rngs: nnx.Rngs | None = None):
     x = self.embed(tokens)
-    mask = nnx.make_causal_mask(tokens)
+    mask = None if self.decode else nnx.make_causal_mask(tokens)  # decoding: the cache index masks
     for block in self.blocks:
       x = block(x, mask, train, rngs)
     return self.head(self.final_norm(x))
+
+  def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+    """An empty KV cache in each attention, for `batch` rows of up to `max_len` tokens."""
+    for block in self.blocks:
+      block.attention.init_cache((batch, max_len, block.attention.in_features), dtype)
 
 
 def make_optimizer(cfg: LmConfig) -> optax.GradientTransformation:
@@ -117,3 +132,77 @@ def forward(model: LanguageModel, batch):
 def eval_step(model: LanguageModel, batch):
   tokens = batch['tokens']
   return {'loss': next_token_loss(model(tokens[:, :-1], train=False), tokens)}
+
+
+# -- decoding with the stock KV cache -----------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames='temperature')
+def sample(logits, key, step, temperature: float):
+  """Token `step` of a decode (int32[B]) from its logits [B, V]: the argmax at temperature 0,
+  else a draw from softmax(logits / temperature) with the key `fold_in(key, step)`."""
+  if temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(jax.random.fold_in(key, step), logits / temperature, axis=-1).astype(jnp.int32)
+
+
+def decoding_model(model: LanguageModel, batch: int, max_len: int) -> LanguageModel:
+  """A copy of `model` (which is left as it is), decoding with an empty cache."""
+  model = nnx.clone(model)
+  model.init_cache(batch, max_len)
+  model.set_attributes(decode=True)
+  return model
+
+
+def _apply_one(model: LanguageModel, token):
+  """Logits [B, V] of one token a row, written in the cache at its index (in place)."""
+  return model(token[:, None], train=False)[:, 0]
+
+
+@nnx.jit
+def prefill(model: LanguageModel, prompt):
+  """Logits [B, P, V] at every prompt position, the prompt fed one position a call (scanned),
+  as the stock cache takes it; the cache is updated in place. Compiled once per prompt length."""
+  graphdef, cache, rest = nnx.split(model, nnx.Cache, ...)
+
+  def one(cache, token):
+    model = nnx.merge(graphdef, cache, rest)
+    logits = _apply_one(model, token)
+    return nnx.state(model, nnx.Cache), logits
+
+  cache, logits = jax.lax.scan(one, cache, prompt.T)
+  nnx.update(model, cache)
+  return jnp.swapaxes(logits, 0, 1)
+
+
+@nnx.jit
+def decode_step(model: LanguageModel, token):
+  """Logits [B, V] after `token` int32[B]: one decoding step, the cache updated in place."""
+  return _apply_one(model, token)
+
+
+def decode(model: LanguageModel, prompt, steps: int, key, temperature: float):
+  """`steps` tokens after `prompt` int32[B, P], with the stock KV cache, on a copy of `model`.
+
+  Returns (int32[B, steps] tokens, float32[B, steps, V] the logits each was
+  drawn from, the final cache as `{'<NNX path>/<name>': array}`). Token 0
+  comes from the prefill's last position, token i from the step that fed
+  token i - 1; the cache holds P + steps slots, the last one left empty (the
+  last token is drawn, not fed).
+  """
+  prompt = jnp.asarray(prompt, jnp.int32)
+  batch, prompt_len = prompt.shape
+  model = decoding_model(model, batch, prompt_len + steps)
+  prompt_logits = prefill(model, prompt)
+  logits = prompt_logits[:, -1]
+  tokens, drawn_from = [], []
+  for step in range(steps):
+    if step:
+      logits = decode_step(model, tokens[-1])
+    tokens.append(sample(logits, key, step, temperature))
+    drawn_from.append(logits)
+  tokens = jnp.stack(tokens, axis=1) if steps else jnp.zeros((batch, 0), jnp.int32)
+  drawn_from = (jnp.stack(drawn_from, axis=1) if steps
+                else jnp.zeros((batch, 0, prompt_logits.shape[-1]), prompt_logits.dtype))
+  cache = nnx.to_pure_dict(nnx.state(model, nnx.Cache))
+  return tokens, drawn_from, {'/'.join(map(str, path)): x for path, x in traverse_util.flatten_dict(cache).items()}

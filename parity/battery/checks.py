@@ -862,3 +862,44 @@ def check_substitution(pair: adapter.Pair) -> list[str]:
     lines.append(f'{", ".join(known.paths)}: with the substitution, grads, train, eval and the localizer'
                  ' are bit for bit: the declared modules are the only source')
   return lines
+
+
+def check_decode(pair: adapter.Pair, placement: str) -> list[str]:
+  """Decoding with a KV cache from one state (the Linen init, carried to NNX), on one device
+  or a mesh: tokens, every step's logits and the final cache, bit for bit, at each temperature."""
+  __tracebackhide__ = _battery_frames_hidden
+  from parity.battery.parts import ONE_DEVICE
+
+  spec = pair.decode
+  if spec is None:
+    raise AssertionError(f'{pair.name}: no decoding declared (Pair(decode=parity.Decode(...)))')
+  runs = _runs(pair)
+  mesh_spec = None if placement == ONE_DEVICE else placement
+  linen, nnx_side = runs.sides(mesh_spec)
+  missing = [s.name for s in (linen, nnx_side) if not callable(getattr(s, 'decode', None))]
+  if missing:
+    raise AssertionError(f'{pair.name}: the pair declares decoding, but its {", ".join(missing)} side(s)'
+                         ' give no `decode` (StockLinen/StockNnx: decode_fn=)')
+  flat = runs.start('linen', mesh_spec)
+  states = (linen.from_checkpoint(flat), nnx_side.from_checkpoint(flat))
+  prompt = linen.place_batch({'prompt': spec.prompt(pair.batch(0, 'eval'))})['prompt']
+  key = jax.random.fold_in(rng.base_key(pair.seed), 1)
+  lines = []
+  for temperature in spec.temperatures:
+    out = [side.decode(state, prompt, spec.steps, key, temperature) for side, state in zip((linen, nnx_side), states)]
+    for what in ('tokens', 'logits'):
+      a, b = (np.asarray(jax.device_get(o[what])) for o in out)
+      if a.shape == b.shape and a.ndim >= 2 and a.dtype == b.dtype:
+        same = [bitwise.bitwise_equal(a[:, i], b[:, i]) for i in range(a.shape[1])]
+        if not all(same):
+          first = same.index(False)
+          compare(pair, 'decode', {what: a}, {what: b},
+                  f'decoded {what} ({"greedy" if temperature == 0 else f"temperature {temperature}"},'
+                  f' {placement}; first differing decode step: {first} of {spec.steps})')
+    found = compare(pair, 'decode', {'tokens': out[0]['tokens'], 'logits': out[0]['logits'], **out[0]['cache']},
+                    {'tokens': out[1]['tokens'], 'logits': out[1]['logits'], **out[1]['cache']},
+                    f'decoded tokens, logits and final cache ({"greedy" if temperature == 0 else f"temperature {temperature}"}, {placement})')
+    lines += found
+    lines.append(f'{"greedy" if temperature == 0 else f"temperature {temperature}"}, {placement}: {spec.steps}'
+                 f' tokens, their logits and {len(out[0]["cache"])} cache arrays bit for bit')
+  return lines

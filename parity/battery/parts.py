@@ -6,8 +6,10 @@ chooses some, and `parity compare --pair` compares what the pair's parts cover
 """
 PARTS = (
     'structure', 'specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'mesh', 'memory',
-    'program', 'localize', 'substitution',
+    'program', 'localize', 'substitution', 'decode',
 )
-# Generated only for a pair that declares a value bound (parity.pairs.adapter.VALUE_PASSES).
-DECLARED_ONLY = ('substitution',)
+# Generated only for a pair that declares them: a value bound (parity.pairs.adapter.VALUE_PASSES),
+# decoding (`Pair(decode=...)`).
+DECLARED_ONLY = ('substitution', 'decode')
+ONE_DEVICE = 'one_device'  # the decode part's placement off any mesh
 DIRECTIONS = ('linen->linen', 'linen->nnx', 'nnx->linen', 'nnx->nnx')

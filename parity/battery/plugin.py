@@ -36,7 +36,7 @@ import sys
 import pytest
 
 from parity.env import map_limit  # imports no jax
-from parity.battery.parts import DECLARED_ONLY, DIRECTIONS, PARTS  # neither
+from parity.battery.parts import DIRECTIONS, ONE_DEVICE, PARTS  # neither
 
 # Nothing here imports jax when pytest loads the plugin: a project's conftest
 # sets XLA flags and jax's environment (compilation cache, platforms) first.
@@ -255,6 +255,9 @@ class _Battery:
   def test_substitution(self, request):
     _record(request, 'substitution', battery.check_substitution(self.pair))
 
+  def test_decode(self, decode_placement, request):
+    _record(request, 'decode', battery.check_decode(self.pair, decode_placement))
+
 
 class PairClass(pytest.Class):
   """The collector of one declared pair: a test class made from the battery."""
@@ -276,8 +279,11 @@ class PairClass(pytest.Class):
             f' {unknown}; parts: {", ".join(PARTS)}'
         )
       wanted &= set(declared)
-    if not any(d.value_passes for d in self.obj.pair.known_differences):
-      wanted -= set(DECLARED_ONLY)  # nothing to substitute
+    pair = self.obj.pair
+    if not any(d.value_passes for d in pair.known_differences):
+      wanted.discard('substitution')  # nothing to substitute
+    if pair.decode is None:
+      wanted.discard('decode')
     for item in super().collect():
       part = item.name.split('[')[0][len('test_'):]
       if part in wanted:
@@ -298,3 +304,6 @@ def pytest_generate_tests(metafunc):
   if 'parity_mesh' in metafunc.fixturenames and metafunc.cls is not None and issubclass(metafunc.cls, _Battery):
     meshes = metafunc.config.getoption('parity_mesh') or list(metafunc.cls.pair.meshes)
     metafunc.parametrize('parity_mesh', meshes)
+  if 'decode_placement' in metafunc.fixturenames and metafunc.cls is not None and issubclass(metafunc.cls, _Battery):
+    meshes = metafunc.config.getoption('parity_mesh') or list(metafunc.cls.pair.meshes)
+    metafunc.parametrize('decode_placement', [ONE_DEVICE] + meshes)

@@ -74,6 +74,11 @@ class Side(Protocol):
     """Optional: the model's eval-mode outputs (its logits), compared bit for bit by the eval
     part beside the metrics; None where the side gives none."""
 
+  def decode(self, state: Any, prompt: jax.Array, steps: int, key: jax.Array, temperature: float) -> Any:
+    """Optional (a pair that declares `decode`): `steps` tokens after `prompt` with a KV cache,
+    `{'tokens': int[B, steps], 'logits': [B, steps, V] (what each token was drawn from),
+    'cache': {path in the Linen layout: array}}`; temperature 0 is greedy."""
+
   def value_and_grads(self, state: Any, batch: Any, dropout_key: jax.Array) -> tuple[Any, Flat]:
     """(loss or (loss, aux), `{checkpoint path of a parameter: gradient}`) of one train-mode pass."""
 
@@ -135,9 +140,9 @@ class Probe:
 
 # What a KnownDifference may declare: values of a pass ('grads', 'train',
 # 'eval'), the localizer's forward pass, the program, and its memory.
-PASSES = ('grads', 'train', 'eval', 'forward', 'program', 'memory')
+PASSES = ('grads', 'train', 'eval', 'forward', 'decode', 'program', 'memory')
 # Passes whose declared difference is a bound on values (ULP): each needs a substitution.
-VALUE_PASSES = ('grads', 'train', 'eval', 'forward')
+VALUE_PASSES = ('grads', 'train', 'eval', 'forward', 'decode')
 # A declared bound may be at most this many times the largest difference measured under it.
 TIGHTNESS = 4
 
@@ -238,6 +243,16 @@ class KnownDifference:
     return any(path == p or (p.endswith('/*') and path.startswith(p[:-1])) for p in self.paths)
 
 
+@dataclasses.dataclass(frozen=True)
+class Decode:
+  """What the decode part runs: `steps` tokens after `prompt(batch)` (from a batch of the
+  pair's 'eval' split) at each of `temperatures` (0: greedy), one device and each mesh."""
+
+  prompt: Callable[[Mapping[str, Any]], Any]
+  steps: int = 8
+  temperatures: tuple[float, ...] = (0.0, 0.8)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Pair:
   """The two sides of one migration, and what to train them on.
@@ -269,6 +284,8 @@ class Pair:
   # with mesh axes), so its constraints carry no logical name; the specs part then compares the
   # physical specs they resolve to on each mesh instead of failing as having nothing to compare.
   activations_resolved: bool = False
+  # Decoding with a KV cache, compared bit for bit by the decode part (each side's `decode`).
+  decode: Decode | None = None
 
   def __post_init__(self):
     # Zero steps would compare no training at all, and pass.
@@ -304,7 +321,7 @@ def side_members() -> list[str]:
 # Only the localizer calls `probe`: a side without it runs every other part (the
 # localize part fails naming it, and failures carry no localizer finding). Without
 # `eval_outputs` the eval part compares the metrics alone, and says so.
-OPTIONAL_MEMBERS = ('probe', 'eval_outputs')
+OPTIONAL_MEMBERS = ('probe', 'eval_outputs', 'decode')
 
 
 def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side, Side]:

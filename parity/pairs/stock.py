@@ -176,6 +176,9 @@ class StockLinen(_Stock):
   # forward(state, batch) -> the model's eval-mode outputs (its logits): compared bit for bit by
   # the eval part, beside the metrics eval_step returns (which may round a difference away).
   forward: Callable[..., Any] | None = None
+  # decode_fn(state, prompt, steps, key, temperature) -> (tokens, logits, {cache path: array}):
+  # decoding with the model's KV cache, for the decode part (Pair(decode=...)).
+  decode_fn: Callable[..., Any] | None = None
 
   @property
   def stock_linen(self) -> 'StockLinen':
@@ -223,6 +226,14 @@ class StockLinen(_Stock):
       return None
     with self._context():
       return self._forward(state, batch)
+
+  def decode(self, state, prompt, steps, key, temperature) -> dict[str, Any] | None:
+    """`decode_fn`'s tokens, logits and cache (under `cache/`); None: no `decode_fn` given."""
+    if self.decode_fn is None:
+      return None
+    with self._context():
+      tokens, logits, cache = self.decode_fn(state, prompt, steps, key, temperature)
+    return {'tokens': tokens, 'logits': logits, 'cache': {f'cache/{p}': x for p, x in paths.flatten(cache).items()}}
 
   @functools.cached_property
   def _value_and_grads(self):
@@ -296,6 +307,9 @@ class StockNnx(_Stock):
   name: str = 'nnx'
   # forward(model, batch) -> the model's eval-mode outputs (its logits), as StockLinen's `forward`.
   forward: Callable[..., Any] | None = None
+  # decode_fn(model, prompt, steps, key, temperature) -> (tokens, logits, {NNX cache path: array}),
+  # as StockLinen's; cache paths are renamed to Linen's like the parameters.
+  decode_fn: Callable[..., Any] | None = None
   collections: tuple[tuple[type, str], ...] = bridge_stock.DEFAULT_COLLECTIONS
   # (optimizer attribute, Linen train-state field): what the optimizer holds besides
   # step and opt_state, e.g. (('ema', 'ema_params'),) (parity.pairs.stock_layout.nnx_to_checkpoint).
@@ -469,6 +483,16 @@ class StockNnx(_Stock):
       return None
     with self._context():
       return self._forward(state, batch)
+
+  def decode(self, state, prompt, steps, key, temperature) -> dict[str, Any] | None:
+    """`decode_fn`'s tokens, logits and cache (paths renamed to Linen's, under `cache/`)."""
+    if self.decode_fn is None:
+      return None
+    with self._context():
+      model = self._merge(state)[0]
+      tokens, logits, cache = self.decode_fn(model, prompt, steps, key, temperature)
+    return {'tokens': tokens, 'logits': logits,
+            'cache': {f'cache/{self.renames.to_linen(p)}': x for p, x in paths.flatten(cache).items()}}
 
   @functools.cached_property
   def _value_and_grads(self):
