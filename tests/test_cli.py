@@ -135,7 +135,7 @@ def test_compare_exits_1_and_says_where_the_sides_diverge(capsys, monkeypatch, t
     (['compare', '--steps', '0'], '--steps must be at least 1'),
     (['compare', '--scenario', '99_nope'], "unknown scenario '99_nope'"),
     (['compare', '--mesh', 'fsdp=3'], "mesh 'fsdp=3' needs 3 devices, but 8 are available"),
-    (['compare', '--mesh', 'fsdp=2,pipeline=4'], 'bad mesh spec'),
+    (['compare', '--mesh', 'fsdp=2,pipe-line=4'], 'bad mesh spec'),
     (['compare', '--checkpoint-every', '-1'], '--checkpoint-every must be 0'),
     (['compare', '--json', '/nonexistent/dir/report.json'], 'does not exist'),
     (['compare', '--init', 'nnx', '--resume-from', '/nonexistent'],

@@ -19,10 +19,10 @@ CFG = LmConfig(nnx_attention='linen')
 def make_sides(mesh, cfg=CFG):
   linen = parity.StockLinen(functools.partial(linen_lm.create_train_state, cfg), linen_lm.train_step,
                             linen_lm.eval_step, linen_lm.loss_fn, mesh=mesh, rules=LM_RULES,
-                            forward=linen_lm.forward)  # eval-mode logits, compared bit for bit
+                            forward=linen_lm.forward, decode_fn=linen_lm.decode)  # eval logits, KV cache
   nnx_side = parity.StockNnx(functools.partial(nnx_lm.create_train_state, cfg), nnx_lm.train_step,
                              nnx_lm.eval_step, nnx_lm.loss_fn, mesh=mesh, rules=LM_RULES,
-                             forward=nnx_lm.forward,
+                             forward=nnx_lm.forward, decode_fn=nnx_lm.decode,
                              dropout_keys='linen')  # stock dropout: Linen's make_rng keys
   return linen, nnx_side
 
@@ -34,7 +34,8 @@ STOCK_LAYERS_PROGRAM = parity.KnownDifference(
     reason="flax's stock attention and layer norm lower differently in Linen and NNX (same numbers);"
            ' with dropout on, the layer norm\'s other lowering moves 256 B of temporaries')
 lm = parity.Pair('lm', make_sides, functools.partial(lm_batch, CFG), known_differences=(STOCK_LAYERS_PROGRAM,),
-                 meshes=('data=4,tensor=2',), rules=LM_RULES)
+                 meshes=('data=4,tensor=2',), rules=LM_RULES,
+                 decode=parity.Decode(prompt=lambda batch: batch['tokens'][:, :4], steps=8))
 # --- end of glue ---
 
 import dataclasses  # noqa: E402
@@ -106,3 +107,23 @@ def test_stock_dropout_without_linens_keys_fails_naming_both_key_schemes():
   message = str(failure.value)
   assert 'first differs at module DecoderBlock_0/Dropout_0' in message, message
   assert "stock Linen draws make_rng('dropout')" in message and "dropout_keys='linen'" in message, message
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group('parity-lm')
+def test_an_nnx_cache_index_off_by_one_fails_the_decode_part_naming_the_step(monkeypatch):
+  """Each NNX attention's cache starts one slot in: the decode part fails from the first step."""
+  from parity.battery import checks
+
+  init_cache = nnx.MultiHeadAttention.init_cache
+
+  def off_by_one(self, *args, **kwargs):
+    init_cache(self, *args, **kwargs)
+    self.cache_index[...] = self.cache_index[...] + 1
+
+  monkeypatch.setattr(nnx.MultiHeadAttention, 'init_cache', off_by_one)
+  pair = dataclasses.replace(lm, name='cache_off_by_one', parts=('decode',))
+  with pytest.raises(AssertionError) as failure:
+    checks.check_decode(pair, 'one_device')
+  message = str(failure.value)
+  assert 'first differing decode step: 0 of 8' in message, message

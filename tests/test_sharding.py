@@ -240,7 +240,7 @@ def test_the_plugins_mesh_part_compares_placements_not_their_printing():
 @pytest.mark.parametrize('spec, message', [
     ('fsdp=4', "mesh 'fsdp=4' needs 4 devices, but 8 are available"),
     ('fsdp=4,tensor=4', "mesh 'fsdp=4,tensor=4' needs 16 devices, but 8 are available"),
-    ('fsdp=8,model=1', "got 'model=1'"),
+    ('fsdp=8,mo-del=1', "got 'mo-del=1'"),
     ('fsdp=x', "got 'fsdp=x'"),
     ('fsdp=4,fsdp=2', "axis 'fsdp' given twice"),
 ])
@@ -248,3 +248,10 @@ def test_bad_mesh_spec_is_one_clear_error(spec, message):
   with pytest.raises(ValueError) as info:
     specs.make_mesh(spec)
   assert message in str(info.value)
+
+
+def test_a_mesh_spec_may_name_a_models_own_axes():
+  """Axes beyond the kit's three (a production model's `stage`, `sequence`, ...) follow them."""
+  mesh = specs.make_mesh('fsdp=2,stage=1,sequence=2,tensor=2')
+  assert mesh.axis_names == ('data', 'fsdp', 'tensor', 'stage', 'sequence')
+  assert dict(mesh.shape) == {'data': 1, 'fsdp': 2, 'tensor': 2, 'stage': 1, 'sequence': 2}

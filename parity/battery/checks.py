@@ -42,7 +42,7 @@ class _Runs:
   @functools.cache
   def sides(self, mesh_spec: str | None = None) -> tuple[adapter.Side, adapter.Side]:
     try:
-      mesh = None if mesh_spec is None else specs_lib.make_mesh(mesh_spec)
+      mesh = None if mesh_spec is None else self.pair.mesh(mesh_spec)
     except ValueError as e:
       if 'devices, but' not in str(e):  # a malformed spec: its own message says what
         raise
@@ -405,7 +405,7 @@ def _check_resolved_activations(pair: adapter.Pair, count: int | None) -> list[s
         ' compares the physical specs they resolve to on each mesh of the pair')
   lines = []
   for spec in pair.meshes:
-    sides = adapter.make_pair_sides(pair, specs_lib.make_mesh(spec))
+    sides = adapter.make_pair_sides(pair, pair.mesh(spec))
     start = sides[0].init(pair.seed)
     batch = sides[0].place_batch(pair.batch(0, 'train'))
     base = rng.base_key(pair.seed)

@@ -70,16 +70,21 @@ def nnx_logical_specs(nnx_params: Any) -> LogicalSpecs:
 
 
 def parse_mesh_spec(spec: str, num_devices: int | None = None) -> dict[str, int]:
-  """'fsdp=4,tensor=2' -> {'data': 1, 'fsdp': 4, 'tensor': 2}; checks the device count."""
+  """'fsdp=4,tensor=2' -> {'data': 1, 'fsdp': 4, 'tensor': 2}; checks the device count.
+
+  The kit's axes (`MESH_AXES`) are always there (size 1 unless given); any
+  other axis a model's own mesh has ('stage=1,sequence=2') follows them, in
+  the order given (a pair's `mesh_factory` lays out its own mesh instead).
+  """
   sizes = dict.fromkeys(MESH_AXES, 1)
   seen = set()
   for part in filter(None, (p.strip() for p in spec.split(','))):
     name, sep, value = part.partition('=')
     name = name.strip()
-    if not sep or name not in sizes or not value.strip().isdigit() or int(value) < 1:
+    if not sep or not name.isidentifier() or not value.strip().isdigit() or int(value) < 1:
       raise ValueError(
-          f'bad mesh spec {spec!r}: expected AXIS=N[,AXIS=N...] with AXIS in'
-          f' {MESH_AXES} and N >= 1, got {part!r}'
+          f'bad mesh spec {spec!r}: expected AXIS=N[,AXIS=N...] with AXIS a name'
+          f' (the kit\'s: {", ".join(MESH_AXES)}; or any of the model\'s own) and N >= 1, got {part!r}'
       )
     if name in seen:
       raise ValueError(f'bad mesh spec {spec!r}: axis {name!r} given twice')
@@ -97,10 +102,10 @@ def parse_mesh_spec(spec: str, num_devices: int | None = None) -> dict[str, int]
 
 
 def make_mesh(spec: str, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
-  """A mesh over all (or the given) devices with axes ('data', 'fsdp', 'tensor')."""
+  """A mesh over all (or the given) devices with the spec's axes (`parse_mesh_spec`)."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = parse_mesh_spec(spec, len(devices))
-  return compat.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, devices)
+  return compat.make_mesh(tuple(sizes.values()), tuple(sizes), devices)
 
 
 def physical_spec(

@@ -286,6 +286,23 @@ class Pair:
   activations_resolved: bool = False
   # Decoding with a KV cache, compared bit for bit by the decode part (each side's `decode`).
   decode: Decode | None = None
+  # mesh_factory(spec, devices) -> the model's own jax Mesh for a spec of `meshes` (its axis
+  # names, order and shape, over `devices`); None: parity.core.specs.make_mesh.
+  mesh_factory: Callable[[str, Sequence[Any]], jax.sharding.Mesh] | None = None
+
+  def mesh(self, spec: str) -> jax.sharding.Mesh:
+    """The mesh of one of the pair's mesh specs, over every device: the pair's own factory's."""
+    from parity.core import specs
+
+    devices = jax.devices()
+    if self.mesh_factory is None:
+      return specs.make_mesh(spec, devices)
+    specs.parse_mesh_spec(spec, len(devices))  # a spec that does not fit fails as for the kit's
+    mesh = self.mesh_factory(spec, devices)
+    if not isinstance(mesh, jax.sharding.Mesh) or mesh.devices.size != len(devices):
+      raise SideError(f'{self.name}: mesh_factory({spec!r}, devices) must return a jax Mesh over the'
+                      f' {len(devices)} devices, got {mesh!r}')
+    return mesh
 
   def __post_init__(self):
     # Zero steps would compare no training at all, and pass.

@@ -21,14 +21,15 @@ def cmd_specs(args) -> int:
   return reference_decoder().specs_command(args)
 
 
-def _mesh(spec: str | None):
-  """The mesh of a `--mesh` spec over all devices; a spec that does not fit is bad input."""
+def _mesh(spec: str | None, pair=None):
+  """The mesh of a `--mesh` spec over all devices (a pair's own `mesh_factory` where it has
+  one); a spec that does not fit is bad input."""
   if not spec:
     return None
   from parity.core import specs
 
   try:
-    return specs.make_mesh(spec)
+    return specs.make_mesh(spec) if pair is None else pair.mesh(spec)
   except ValueError as e:
     raise BadInput(str(e)) from None
 
@@ -120,8 +121,8 @@ def cmd_compare(args) -> int:
       raise BadInput(
           "--plot needs matplotlib: pip install 'linen-nnx-parity[report]'"
       ) from None
-  mesh = _mesh(args.mesh)
   pair = _load_pair(args.pair) if args.pair else None
+  mesh = _mesh(args.mesh, pair)
 
   progress = report_lib.Progress(args.steps)
   options = dict(
