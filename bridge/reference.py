@@ -73,6 +73,14 @@ def run_compare(
 
 
 
+DECODE_PROMPT = 16  # tokens of an eval batch's inputs that `parity compare --decode` decodes after
+
+
+def decode_prompt(model_cfg, train_cfg):
+  """The prompt `parity compare --decode N` decodes after: the first tokens of an eval batch."""
+  return data.make_batch(model_cfg, train_cfg, 0, 'eval')['inputs'][:, :DECODE_PROMPT]
+
+
 def check_against_config(linen_tree, model_cfg, train_cfg, what: str) -> None:
   """Raises TreeMismatchError unless the Linen-layout tree is the config's train state."""
   linen_side, _ = make_sides(model_cfg, train_cfg)

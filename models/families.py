@@ -158,3 +158,153 @@ def lm_batch(cfg: LmConfig, step: int, split: str = 'train') -> dict[str, np.nda
   start = rng.integers(0, cfg.vocab_size, (cfg.batch_size, 1))
   stride = rng.integers(1, 4, (cfg.batch_size, 1))
   return {'tokens': ((start + stride * np.arange(cfg.seq_len)) % cfg.vocab_size).astype(np.int32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProdConfig:
+  """A llama-ish decoder as production code writes it: RMSNorm, rotary attention, SwiGLU MLP,
+  dropout; the layers stacked and scanned, each rematerialised; logical axis names throughout.
+
+  The parity pair runs with dropout_rate 0: the NNX dropouts draw from their own streams, whose
+  masks can never be Linen's (the streams stay in the NNX state all the same).
+  """
+
+  vocab_size: int = 64
+  emb_dim: int = 32
+  num_heads: int = 4
+  head_dim: int = 8
+  mlp_dim: int = 64
+  num_layers: int = 3
+  seq_len: int = 8
+  batch_size: int = 8
+  dropout_rate: float = 0.0
+  norm_epsilon: float = 1e-6
+  rope_max_timescale: float = 10_000.0
+  learning_rate: float = 1e-2
+  warmup_steps: int = 2
+  seed: int = 0
+
+
+# The production mesh: five axes, in this order (pipeline stages and sequence parallelism
+# included, each of size 1 where unused).
+PROD_MESH_AXES = ('data', 'stage', 'fsdp', 'sequence', 'tensor')
+
+# Logical axis names of the parameters (both sides annotate with these) ...
+PROD_PARAM_AXES: dict[str, tuple[str, ...]] = {
+    'embedding': ('vocab', 'embed'),
+    'norm': ('norm',),
+    'qkv': ('embed', 'heads'),  # [embed, heads * head_dim]
+    'out': ('heads', 'embed'),
+    'mlp_in': ('embed', 'mlp'),
+    'mlp_out': ('mlp', 'embed'),
+    'head': ('embed', 'vocab'),
+}
+# ... and of the activations they constrain (nn.with_logical_constraint on both sides).
+PROD_ACTIVATION_AXES: dict[str, tuple[str, ...]] = {
+    'hidden': ('activation_batch', 'activation_length', 'activation_embed'),
+    'heads': ('activation_batch', 'activation_length', 'activation_heads', 'activation_kv'),
+    'mlp': ('activation_batch', 'activation_length', 'activation_mlp'),
+    'logits': ('activation_embed_and_logits_batch', 'activation_length', 'activation_vocab'),
+}
+# The rules of a production config: the model's own names and the many more such a config
+# carries for its other models (MoE, MLA, KV caches, paged attention, pipelining). flax
+# resolves them in priority order, each mesh axis at most once per array.
+PROD_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # activations
+    ('activation_batch', ('data', 'fsdp')),
+    ('activation_batch_no_exp', ('data', 'fsdp')),
+    ('activation_embed_and_logits_batch', ('data', 'fsdp')),
+    ('activation_embed_and_logits_batch_sequence', ('data', 'fsdp', 'sequence')),
+    ('activation_prefill_kv_batch', ('data', 'fsdp')),
+    ('activation_kv_batch', ('data', 'fsdp')),
+    ('activation_heads', 'tensor'),
+    ('activation_kv_heads', 'tensor'),
+    ('activation_q_heads', 'tensor'),
+    ('activation_length', 'sequence'),
+    ('activation_length_no_exp', 'sequence'),
+    ('activation_norm_length', 'sequence'),
+    ('activation_q_length', 'sequence'),
+    ('activation_kv_length', None),
+    ('activation_attn_length', 'sequence'),
+    ('activation_attn_embed', 'tensor'),
+    ('activation_embed', 'tensor'),
+    ('activation_embed_moe', 'tensor'),
+    ('activation_mlp', 'tensor'),
+    ('activation_mlp_moe', 'tensor'),
+    ('activation_kv', None),
+    ('activation_kv_head_dim', None),
+    ('activation_vocab', 'tensor'),
+    ('activation_stage', 'stage'),
+    ('activation_exp', None),
+    ('activation_norm', None),
+    ('activation_lora', None),
+    ('activation_group', None),
+    ('decode_batch', ('data', 'fsdp')),
+    ('decode_length', None),
+    ('prefill_activation_length', 'sequence'),
+    ('prefill_activation_norm_length', 'sequence'),
+    # parameters
+    ('layers', 'stage'),
+    ('dense_layers', 'stage'),
+    ('moe_layers', 'stage'),
+    ('vocab', 'tensor'),
+    ('embed', 'fsdp'),
+    ('embed_no_exp', 'fsdp'),
+    ('embed_tensor_transpose', 'tensor'),
+    ('heads', 'tensor'),
+    ('q_heads', 'tensor'),
+    ('kv_heads', 'tensor'),
+    ('kv', None),
+    ('kv_head_dim', None),
+    ('qkv', None),
+    ('head_dim', None),
+    ('mlp', 'tensor'),
+    ('mlp_no_fsdp', 'tensor'),
+    ('norm', None),
+    ('scale', None),
+    ('bias', None),
+    ('exp', None),
+    ('expert', None),
+    ('moe_mlp', 'tensor'),
+    ('q_lora', 'fsdp'),
+    ('kv_lora', 'fsdp'),
+    ('q_lora_up_proj', None),
+    ('kv_lora_up_proj', None),
+    ('rope_dim', None),
+    ('position', None),
+    ('relative_position', None),
+    ('classes', None),
+    # KV caches and paged attention
+    ('cache_batch', ('data', 'fsdp')),
+    ('cache_batch_prefill', ('data', 'fsdp')),
+    ('cache_heads', 'tensor'),
+    ('cache_heads_none', None),
+    ('cache_kv', None),
+    ('cache_sequence', None),
+    ('cache_scale_batch', ('data', 'fsdp')),
+    ('cache_scale_heads', 'tensor'),
+    ('cache_scale_kv', None),
+    ('cache_scale_sequence', None),
+    ('num_pages', None),
+    ('tokens_per_page', None),
+    ('paged_kv_head_dim_size', None),
+)
+
+
+def prod_mesh(spec: str, devices):
+  """The production mesh of a spec such as 'data=2,stage=1,fsdp=2,sequence=1,tensor=2' over
+  `devices`: axes PROD_MESH_AXES in that order (an axis not given has size 1)."""
+  from parity.core import compat, specs  # jax only where a mesh is made
+
+  sizes = specs.parse_mesh_spec(spec, len(devices))
+  unknown = sorted(set(sizes) - set(PROD_MESH_AXES))
+  if unknown:
+    raise ValueError(f'mesh spec {spec!r}: axes {unknown} are not the production mesh\'s {PROD_MESH_AXES}')
+  return compat.make_mesh(tuple(sizes.get(a, 1) for a in PROD_MESH_AXES), PROD_MESH_AXES, devices)
+
+
+def prod_batch(cfg: ProdConfig, step: int, split: str = 'train') -> dict[str, np.ndarray]:
+  """{tokens: int32 [B, L]}, a pure function of (seed, split, step): rows counting by a stride
+  (mod vocab_size), as lm_batch."""
+  return lm_batch(LmConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                           seed=cfg.seed), step, split)

@@ -491,3 +491,17 @@ def test_compare_of_a_pair_whose_train_step_returns_no_loss_is_bad_input(monkeyp
   err = capsys.readouterr().err
   assert "parity: error: parity compare: the linen side's train_step returned metrics [] without `loss`" in err, err
   assert 'Traceback' not in err
+
+
+@pytest.mark.parametrize('argv', [[], ['--pair', 'tests/test_family_lm.py:lm']], ids=['decoder', 'lm_pair'])
+def test_compare_decodes_after_training_and_reports_it(argv, tmp_path, capsys):
+  """`--decode N`: both sides decode N tokens from one prompt after training, timed side by
+  side; the verdict covers decoding and the JSON carries it under "decode"."""
+  report = tmp_path / 'report.json'
+  assert cli.main(['compare', '--steps', '2', '--decode', '4', '--json', str(report), *argv]) == 0
+  out = capsys.readouterr().out
+  assert 'Decode: s/token (of 4)' in out and 'Decoding, bit for bit' in out
+  assert 'decoding: 4 tokens, their logits and cache' in out
+  decode = json.loads(report.read_text())['decode']
+  assert decode['bitwise_equal'] is True and decode['steps'] == 4 and decode['first_differing_step'] is None
+  assert set(decode['per_token_s']) == {'linen', 'nnx'} and all(v > 0 for v in decode['per_token_s'].values())

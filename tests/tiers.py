@@ -8,17 +8,19 @@ refuse the pair):
 
 * `11_composite_accum`, in place of the baseline: gradient accumulation
   over 4 microbatches, dropout 0.1, rematerialisation saving dots, eval
-  between train steps, bfloat16 weights, tied logits. It gets everything the
-  baseline got: the plugin's battery, the side-by-side run with its loss and
-  eval records, the spec tables, memory and program parity on one device and
-  on the 3-axis mesh, and its training there (shardings, annotations).
+  between train steps, bfloat16 weights, tied logits. It gets what the
+  baseline got, but for the battery's grads part (EXHAUSTIVE_PARTS): the
+  rest of the plugin's battery, the side-by-side run with its loss and eval
+  records, the spec tables, logits and eval steps, memory and program
+  parity on one device and on the 3-axis mesh, and its training there
+  (shardings, annotations).
 * `12_composite_fp8`: fp8 with delayed scaling, unrolled layers, dropout
-  0.1, full rematerialisation, eval between train steps, float32 weights,
-  logits through logits_dense. The core tier trains it side by side on one
-  device (its loss and eval records, memory and program parity, spec
-  tables, logits and eval steps); its battery is the exhaustive tier's
-  (EXHAUSTIVE_PARTS) and it trains on no mesh by default (tests/runs.py), so
-  that the tier keeps to its time.
+  0.1, full rematerialisation, float32 weights, logits through
+  logits_dense (and eval between train steps, which the exhaustive tier
+  runs). The core tier keeps only its side-by-side run on one device, with
+  its loss record, memory and programs, and its spec tables
+  (CORE_SCENARIO_TESTS); its battery and the rest are the exhaustive
+  tier's, and it trains on no mesh by default (tests/runs.py).
 
 Together they fail on a migration bug in the NNX side's dropout keys (that
 ignore the step), step counter (not incremented, or of another dtype),
@@ -33,35 +35,48 @@ among them). On two cores it takes 3 to 4 minutes cold and 1 to 1.5 warm
 (README).
 
 The exhaustive tier adds everything else the suite has: every other decoder
-scenario (the baseline, unscanned, dropout, rematerialisation, fp8,
-gradient accumulation, eval, bf16 weights, tied logits, and scan axis 0: the
-NNX layout that differs by design, whose programs differ on purpose and so
-is in no composite) with its records, the fp8 composite's battery, the
+scenario (the baseline, unscanned, dropout, rematerialisation, fp8, gradient
+accumulation, eval, bf16 weights, tied logits, and scan axis 0: the NNX
+layout that differs by design, whose programs differ on purpose and so is in
+no composite) with its records and decoding (the baseline's and unscanned's
+decode part), the composites' tests that the core tier leaves out, the
 decoder's other three meshes, checkpoints across placements, the
 multi-process runs, the CLI end to end, the migration guide notebook, the
 hardware tier on the CPU devices, the planted bugs in the decoder and the
-encoder that the localizer names, the train-state extras carried across
-(an EMA of the parameters, a dynamic loss scale) and the tests that break a
-pair on purpose to check what the plugin's failures say (a new pair each,
-so new programs to compile). `pytest --exhaustive` (`make test-all`) runs
-both tiers; CI runs `make test` and then `make test-all`. A run that names
-paths or test ids (`pytest tests/test_multihost.py`), or selects by `-m` or
-`-k` (`pytest -m hardware`), runs what it names, whatever the tier.
+encoder that the localizer names, the train-state extras carried across (an
+EMA of the parameters, a dynamic loss scale) and the tests that break a pair
+on purpose to check what the plugin's failures say (a new pair each, so new
+programs to compile). `pytest --exhaustive` (`make test-all`) runs both
+tiers; CI runs `make test` and then `make test-all`. A run that names paths
+or test ids (`pytest tests/test_multihost.py`), or selects by `-m` or `-k`
+(`pytest -m hardware`), runs what it names, whatever the tier.
 
-A test joins the exhaustive tier by its decoder scenario or mesh, by the
-part of a declared pair's battery it is (below), or by the `exhaustive`
-marker. Its scenario is its `scenario` parameter, or else its xdist group
-when that names a scenario: the tests that key on `01_baseline` so (the
-compile-once tests, the CLI's bit-identical compare) are the exhaustive
-tier's with it. Nothing here imports jax.
+A test joins the exhaustive tier by its decoder scenario (for a scenario of
+CORE_SCENARIO_TESTS, by its test function too) or mesh, by the part of a
+declared pair's battery it is (below), or by the `exhaustive` marker. Its
+scenario is its `scenario` parameter, or else its xdist group when that
+names a scenario: the tests that key on `01_baseline` so (the compile-once
+tests, the CLI's bit-identical compare) are the exhaustive tier's with it.
+Nothing here imports jax.
 """
 from __future__ import annotations
 
 import pytest
 
 # The decoder's scenarios in the core tier: the two composites (models/config.py) in place of
-# the baseline; the fp8 one without its battery (EXHAUSTIVE_PARTS) and mesh runs (tests/runs.py).
+# the baseline.
 CORE_SCENARIOS = ('11_composite_accum', '12_composite_fp8')
+# Core scenarios of which the core tier keeps only some tests (by test function), with why.
+CORE_SCENARIO_TESTS = {
+    '12_composite_fp8': (
+        ('test_scenario_trains_bit_identically', 'test_memory_equal_on_one_device',
+         'test_program_identical_on_one_device', 'test_scenario_specs_agree'),
+        "its side-by-side run (one compile of each side's step) with its loss record, memory and"
+        ' programs, and its spec tables: they fail on fp8 state that a step does not update and on'
+        ' the other planted bugs; 11_composite_accum runs the battery, the mesh, logits and eval,'
+        " and the core tier's time has no room for a second set",
+    ),
+}
 # The decoder's mesh matrix in the core tier (tests/runs.py MESHES): the mesh of all three axes.
 CORE_MESHES = ('data=2,fsdp=2,tensor=2',)
 # Tests the plugin generates, by pair (its name) and part (None: every part), with why the
@@ -73,10 +88,9 @@ EXHAUSTIVE_PARTS = {
         'tensor parallel on a mesh: the decoder trains on the 3-axis mesh, the classifier on data=8',
     ('encoder', 'localize'):
         'the localizer on equal sides: the stock-attention pair localizes a real difference',
-    ('decoder_12_composite_fp8', None):
-        "the fp8 composite's battery: 11_composite_accum's runs every part on the decoder; the core"
-        " tier trains this one side by side (its records, memory and programs), which fails on fp8"
-        ' state that a step does not update, within the time budget',
+    ('decoder_11_composite_accum', 'grads'):
+        "one step's gradients (another program to compile per side): the train part compares ten"
+        " steps' of them bit for bit through the optimizer; the other families' grads parts run",
 }
 MARKER = 'exhaustive'  # and the option, --exhaustive (root conftest.py)
 # How the main process tells pytest-xdist's workers its choice (root conftest.py).
@@ -111,6 +125,8 @@ def is_exhaustive(item, scenarios) -> bool:
   # The decoder scenario it runs: its `scenario` parameter, or its group (a scenario's tests share one).
   scenario = string_param(item, 'scenario') or (group if group in scenarios else None)
   if scenario is not None and scenario not in CORE_SCENARIOS:
+    return True
+  if scenario in CORE_SCENARIO_TESTS and item.originalname not in CORE_SCENARIO_TESTS[scenario][0]:
     return True
   mesh = string_param(item, 'mesh')
   return mesh is not None and mesh not in CORE_MESHES

@@ -362,7 +362,7 @@ def check_specs(pair: adapter.Pair) -> list[str]:
   __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   linen, nnx_side = runs.sides()
-  notes = _check_param_specs(pair, linen, nnx_side)
+  notes = check_param_specs(pair, linen, nnx_side)
   rules = _rules(pair, linen, default=specs_lib.DEFAULT_RULES)
   if pair.activations_resolved:  # declared: no logical names to read, the physical specs compared
     return notes + _check_resolved_activations(pair, None)
@@ -424,7 +424,7 @@ def _check_resolved_activations(pair: adapter.Pair, count: int | None) -> list[s
   return lines
 
 
-def _check_param_specs(pair: adapter.Pair, linen: adapter.Side, nnx_side: adapter.Side) -> list[str]:
+def check_param_specs(pair: adapter.Pair, linen: adapter.Side, nnx_side: adapter.Side) -> list[str]:
   """The parameters' annotations, equal as written; or, where one side annotates with logical
   names and the other with mesh axes (already resolved by its own rules), equal in placement
   on every mesh of the pair. Returns a line saying which."""

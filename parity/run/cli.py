@@ -110,6 +110,8 @@ def cmd_compare(args) -> int:
     train_cfg = reference.replace(train_cfg, seed=args.seed)
   if args.steps < 1:
     raise BadInput(f'--steps must be at least 1, got {args.steps}')
+  if args.decode < 0:
+    raise BadInput(f'--decode must be 0 (no decoding) or more tokens, got {args.decode}')
   if args.checkpoint_every < 0:
     raise BadInput(f'--checkpoint-every must be 0 (no saves) or more, got {args.checkpoint_every}')
   for path, option in ((args.json, '--json'), (args.markdown, '--markdown'), (args.plot, '--plot')):
@@ -131,6 +133,12 @@ def cmd_compare(args) -> int:
       state_digest=args.state_digest, resume_from=_resume(args),
       program_diff=not args.no_program_check,
   )
+  if args.decode:
+    if pair is not None and pair.decode is None:
+      raise BadInput(f'--decode: pair {pair.name} declares no decoding (Pair(decode=parity.Decode(...)))')
+    prompt = (reference.decode_prompt(model_cfg, train_cfg) if pair is None
+              else pair.decode.prompt(pair.batch(0, 'eval')))
+    options.update(decode_steps=args.decode, decode_prompt=prompt)
   try:
     if pair is None:
       result = reference.run_compare(
@@ -143,17 +151,17 @@ def cmd_compare(args) -> int:
       parts = set(PARTS if pair.parts is None else pair.parts)
       options['program_diff'] = options['program_diff'] and 'program' in parts
       sides = adapter.make_pair_sides(pair, mesh)
-      from parity.core import specs as specs_lib
 
       # Verdicts, not bad input: the sides are not the same program, so nothing is trained.
       checks = [('states', lambda: adapter.check_structure(pair.name, *sides))]
-      if 'specs' in parts:  # the parameters' logical axes, as the battery's specs part reads them
-        checks.append(('specs', lambda: specs_lib.check_no_drift(
-            sides[0].param_specs(), sides[1].param_specs(), f'{pair.name} parameters')))
+      if 'specs' in parts:  # the parameters' annotations, as the battery's specs part reads them
+        from parity.battery import checks as battery
+
+        checks.append(('specs', lambda: battery.check_param_specs(pair, *sides)))
       for what, check in checks:
         try:
           check()
-        except TreeMismatchError as e:
+        except (TreeMismatchError, AssertionError) as e:
           print(f'{e}\nverdict: {what.upper()} DIFFER (nothing trained)')
           if args.json or args.markdown or args.plot:
             print(f'parity: no report written: the {what} differ, so nothing was trained', file=sys.stderr)
@@ -435,6 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
                             ' --steps')
   compare.add_argument('--resume-step', type=int, default=None, metavar='N',
                        help='the checkpoint step --resume-from restores (default: its latest)')
+  compare.add_argument('--decode', type=int, default=0, metavar='N',
+                       help='after training, both sides decode N tokens with their KV cache from one'
+                            ' prompt (the reference decoder: 16 tokens of an eval batch; a pair: its'
+                            ' Decode), timed side by side and compared bit for bit (0: no decoding)')
   compare.add_argument('--state-digest', action='store_true',
                        help='add final_state_sha256 (the final state\'s raw bits, gathered) to'
                             ' the JSON, to compare runs across process counts')

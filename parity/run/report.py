@@ -185,6 +185,13 @@ class Report:
       rows.append(('Memory %', *same('n/a (device reports no limit)')))
     else:
       rows.append(('Memory %', _num(a), _num(b), _diff(a, b, LOWER_IS_BETTER)))
+    if r.decode is not None:
+      d = r.decode
+      rows.append((f'Decode: prompt and 1 token, s', _num(d.prefill_s.get('linen')), _num(d.prefill_s.get('nnx')),
+                   _diff(d.prefill_s.get('linen'), d.prefill_s.get('nnx'), LOWER_IS_BETTER)))
+      rows.append((f'Decode: s/token (of {d.steps})', _num(d.per_token_s('linen')), _num(d.per_token_s('nnx')),
+                   _diff(d.per_token_s('linen'), d.per_token_s('nnx'), LOWER_IS_BETTER)))
+      rows.append(('Decoding, bit for bit', '', '', d.verdict()))
     rows.append(('Memory (train step)', '', '', r.memory_verdict))
     rows.append(('Train-step program', '', '', r.program_verdict))
     if r.expected_difference is not None:

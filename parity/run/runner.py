@@ -80,6 +80,31 @@ class SideRun:
 
 
 @dataclasses.dataclass
+class DecodeRun:
+  """Both sides decoding after training: times (synchronised on the tokens) and what differs."""
+
+  steps: int
+  prompt_len: int
+  temperature: float
+  # Per side: seconds of a decode of one token (the prefill and one draw), and of `steps` tokens.
+  prefill_s: dict[str, float] = dataclasses.field(default_factory=dict)
+  total_s: dict[str, float] = dataclasses.field(default_factory=dict)
+  diffs: list[str] = dataclasses.field(default_factory=list)  # bitwise.compare_trees lines
+  first_differing_step: int | None = None
+
+  def per_token_s(self, side: str) -> float | None:
+    """Seconds per token after the first: (all `steps` tokens - one token) / (steps - 1)."""
+    if self.steps < 2 or side not in self.total_s:
+      return None
+    return (self.total_s[side] - self.prefill_s[side]) / (self.steps - 1)
+
+  def verdict(self) -> str:
+    if not self.diffs:
+      return f'bit-identical ({self.steps} tokens after a {self.prompt_len}-token prompt: tokens, logits, cache)'
+    return f'DIFFERS from decode step {self.first_differing_step} ({len(self.diffs)} leaves)'
+
+
+@dataclasses.dataclass
 class CompareResult:
   steps: int
   init_side: str | None  # None: resumed from a checkpoint, which neither side initialised
@@ -117,10 +142,12 @@ class CompareResult:
   memory_compared: bool = True  # False: the run left memory out (a pair without the 'memory' part)
   # The lowered train steps, {'linen': text, 'nnx': text} (not in the JSON).
   program_texts: dict[str, str] | None = dataclasses.field(default=None, repr=False)
+  decode: DecodeRun | None = None  # `parity compare --decode N`
 
   @property
   def bitwise_equal(self) -> bool:
-    return self.first_divergent_step is None and not self.state_diffs
+    return (self.first_divergent_step is None and not self.state_diffs
+            and (self.decode is None or not self.decode.diffs))
 
   @property
   def programs_identical(self) -> bool | None:
@@ -226,7 +253,10 @@ class CompareResult:
   def verdict(self) -> str:
     if self.bitwise_equal:
       ran = self.steps - self.first_step
-      return f'bit-identical ({ran} steps: train metrics, final parameters and optimizer state)'
+      decoded = '' if self.decode is None else f'; decoding: {self.decode.steps} tokens, their logits and cache'
+      return f'bit-identical ({ran} steps: train metrics, final parameters and optimizer state{decoded})'
+    if self.first_divergent_step is None and not self.state_diffs and self.decode is not None:
+      return f'DIVERGED in decoding: {self.decode.verdict()}'
     if self.first_divergent_step is not None:
       i = self.first_divergent_step - self.first_step
       differing = self.metric_diffs[i] if 0 <= i < len(self.metric_diffs) else []
@@ -285,6 +315,11 @@ class CompareResult:
             None if self.program_diff_outside is None else self.program_diff_outside.to_json()),
         'linen': side_json('linen'),
         'nnx': side_json('nnx'),
+        'decode': None if self.decode is None else {
+            **dataclasses.asdict(self.decode),
+            'per_token_s': {name: self.decode.per_token_s(name) for name in SIDES},
+            'bitwise_equal': not self.decode.diffs,
+        },
     }
 
 
@@ -561,6 +596,9 @@ def compare_sides(
     declared_program_difference: Any = None,
     localize_divergence: bool = True,
     compare_memory: bool = True,
+    decode_steps: int = 0,
+    decode_prompt: Any = None,
+    decode_temperature: float = 0.0,
 ) -> CompareResult:
   """Trains any two sides (parity.pairs.adapter.Side) `steps` steps from one state; see the module doc.
 
@@ -580,6 +618,8 @@ def compare_sides(
   to NNX), and the result names the first divergent module
   (`localize_divergence=False`: not; it keeps one more state alive).
   `compare_memory=False` leaves XLA's memory analysis out of the result and its verdict.
+  `decode_steps=N`: after training, both sides decode N tokens after `decode_prompt` (their
+  `decode`), timed and compared bit for bit (`DecodeRun`).
   """
   if init_side not in SIDES:
     raise ValueError(f"init_side must be 'linen' or 'nnx', got {init_side!r}")
@@ -645,6 +685,11 @@ def compare_sides(
     )
 
   localized = _localize(sides, divergence, dropout_base, say) if divergence else None
+  decoded = None
+  if decode_steps:
+    say(f'decoding {decode_steps} tokens on both sides')
+    decoded = decode_sides(sides, states, sides['linen'].place_batch({'prompt': decode_prompt})['prompt'],
+                           decode_steps, jax.random.fold_in(dropout_base, 1), decode_temperature)
   finals = [sides[name].to_checkpoint(states[name]) for name in SIDES]
   if jax.process_count() > 1 or state_digest:  # each process holds only its shards
     finals = [distributed.host_arrays(f) for f in finals]
@@ -673,7 +718,44 @@ def compare_sides(
       parameters=_parameters(finals[0]),
       memory_compared=compare_memory,
       program_texts={name: compiled[name].text for name in SIDES},
+      decode=decoded,
   )
+
+
+def decode_sides(sides, states, prompt, steps: int, key, temperature: float) -> DecodeRun:
+  """Both sides decode `steps` tokens after `prompt` from their states: compiled first (a
+  decode of 1 token and of `steps`, untimed), then timed interleaved, each call synchronised
+  on its tokens; tokens, logits and the final cache compared bit for bit."""
+  run = DecodeRun(steps=steps, prompt_len=int(np.shape(prompt)[1]), temperature=temperature)
+  decode = {name: functools.partial(sides[name].decode, states[name], prompt, key=key, temperature=temperature)
+            for name in SIDES}
+  outs = {}
+  for name in SIDES:  # compiles (one token, then all)
+    jax.block_until_ready(decode[name](1)['tokens'])
+    outs[name] = jax.device_get(decode[name](steps))
+  clock = time.perf_counter
+  for order in (SIDES, SIDES[::-1]):  # each side first once
+    for name in order:
+      start = clock()
+      np.asarray(decode[name](1)['tokens'])
+      run.prefill_s[name] = min(run.prefill_s.get(name, float('inf')), clock() - start)
+      start = clock()
+      np.asarray(decode[name](steps)['tokens'])
+      run.total_s[name] = min(run.total_s.get(name, float('inf')), clock() - start)
+  flat = {name: {'tokens': outs[name]['tokens'], 'logits': outs[name]['logits'], **outs[name]['cache']}
+          for name in SIDES}
+  run.diffs = [str(d) for d in bitwise.compare_trees(flat['linen'], flat['nnx'], ('Linen', 'NNX'))]
+  for what in ('tokens', 'logits'):
+    a, b = np.asarray(flat['linen'][what]), np.asarray(flat['nnx'][what])
+    if a.shape == b.shape and a.dtype == b.dtype and a.ndim >= 2:
+      for step in range(a.shape[1]):
+        if not bitwise.bitwise_equal(a[:, step], b[:, step]):
+          first = run.first_differing_step
+          run.first_differing_step = step if first is None else min(first, step)
+          break
+  if run.diffs and run.first_differing_step is None:
+    run.first_differing_step = steps - 1  # tokens and logits equal: the final cache differs
+  return run
 
 
 def _parameters(flat: dict[str, Any]) -> int | None:

@@ -1,0 +1,171 @@
+"""A llama-ish decoder written the way production NNX code is: the fifth family.
+
+Mirrors models/linen/prod.py class for class: `RMSNorm`, rotary causal
+`Attention` and a SwiGLU `Mlp` in pre-norm `Block`s with dropout. The blocks
+are made stacked by `nnx.vmap` over split `nnx.Rngs` (parameters stacked on
+axis 0 under the logical name 'layers') and run by `jax.lax.scan` over the
+state `nnx.split` gives, each layer under `jax.checkpoint`. Each dropout holds
+its own forked stream (`nnx.Dropout(rate, rngs=rngs)`), so the model keeps
+RNG state, stacked per layer, that a Linen `TrainState` does not have; the
+scan hands back the streams a layer drew from. Parameters carry logical axes
+(`nnx.with_partitioning`), activations logical constraints
+(`nn.with_logical_constraint`: flax has no NNX one), all resolved by
+PROD_RULES. Trained with the stock `nnx.Optimizer`, as the Linen side.
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from models.families import PROD_ACTIVATION_AXES, PROD_PARAM_AXES, ProdConfig
+from models.linen.prod import make_optimizer, next_token_loss, rope  # framework-free, shared
+
+
+def _init(init, axes: str):
+  return nnx.with_partitioning(init, PROD_PARAM_AXES[axes])
+
+
+def constrain(x, axes: str):
+  return nn.with_logical_constraint(x, PROD_ACTIVATION_AXES[axes])
+
+
+def _dense(in_features: int, out_features: int, axes: str, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(in_features, out_features, use_bias=False, rngs=rngs,
+                    kernel_init=_init(nnx.initializers.lecun_normal(), axes))
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, features: int, epsilon: float, *, rngs: nnx.Rngs):
+    self.scale = nnx.Param(_init(nnx.initializers.ones, 'norm')(rngs.params(), (features,)))
+    self.epsilon = epsilon
+
+  def __call__(self, x):
+    mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(mean_square + self.epsilon) * self.scale[...]
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ProdConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    width = cfg.num_heads * cfg.head_dim
+    self.key = _dense(cfg.emb_dim, width, 'qkv', rngs)
+    self.out = _dense(width, cfg.emb_dim, 'out', rngs)
+    self.query = _dense(cfg.emb_dim, width, 'qkv', rngs)
+    self.value = _dense(cfg.emb_dim, width, 'qkv', rngs)
+
+  def __call__(self, x):
+    cfg = self.cfg
+    batch, length, _ = x.shape
+
+    def project(dense):
+      return constrain(dense(x).reshape(batch, length, cfg.num_heads, cfg.head_dim), 'heads')
+
+    q = rope(project(self.query), cfg.rope_max_timescale) * cfg.head_dim ** -0.5
+    k = rope(project(self.key), cfg.rope_max_timescale)
+    v = project(self.value)
+    logits = jnp.einsum('bqhd,bkhd->bhqk', q, k)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    weights = jax.nn.softmax(jnp.where(causal, logits, jnp.finfo(logits.dtype).min), axis=-1)
+    y = constrain(jnp.einsum('bhqk,bkhd->bqhd', weights, v), 'heads').reshape(batch, length, -1)
+    return self.out(y)
+
+
+class Mlp(nnx.Module):
+
+  def __init__(self, cfg: ProdConfig, *, rngs: nnx.Rngs):
+    self.wi_0 = _dense(cfg.emb_dim, cfg.mlp_dim, 'mlp_in', rngs)
+    self.wi_1 = _dense(cfg.emb_dim, cfg.mlp_dim, 'mlp_in', rngs)
+    self.wo = _dense(cfg.mlp_dim, cfg.emb_dim, 'mlp_out', rngs)
+
+  def __call__(self, x):
+    hidden = constrain(nnx.silu(self.wi_0(x)) * self.wi_1(x), 'mlp')
+    return self.wo(hidden)
+
+
+class Block(nnx.Module):
+  """One pre-norm decoder layer; its dropouts hold forked streams of `rngs`."""
+
+  def __init__(self, cfg: ProdConfig, *, rngs: nnx.Rngs):
+    self.attention = Attention(cfg, rngs=rngs)
+    self.attention_dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
+    self.attention_norm = RMSNorm(cfg.emb_dim, cfg.norm_epsilon, rngs=rngs)
+    self.mlp = Mlp(cfg, rngs=rngs)
+    self.mlp_dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.emb_dim, cfg.norm_epsilon, rngs=rngs)
+
+  def __call__(self, x, deterministic: bool = True):
+    y = self.attention(self.attention_norm(x))
+    x = constrain(x + self.attention_dropout(y, deterministic=deterministic), 'hidden')
+    y = self.mlp(self.mlp_norm(x))
+    return constrain(x + self.mlp_dropout(y, deterministic=deterministic), 'hidden')
+
+
+class Transformer(nnx.Module):
+
+  def __init__(self, cfg: ProdConfig, *, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.emb_dim, rngs=rngs,
+                           embedding_init=_init(nnx.initializers.normal(1.0), 'embedding'))
+    self.final_norm = RMSNorm(cfg.emb_dim, cfg.norm_epsilon, rngs=rngs)
+    self.head = _dense(cfg.emb_dim, cfg.vocab_size, 'head', rngs)
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+    def stacked(rngs: nnx.Rngs) -> Block:
+      return Block(cfg, rngs=rngs)
+
+    self.layers = stacked(rngs)
+
+  def __call__(self, tokens, train: bool = False):
+    x = constrain(self.embed(tokens), 'hidden')
+    graphdef, state = nnx.split(self.layers)
+
+    # The layer's state enters the checkpoint as an input only, as in Linen's nn.remat
+    # (nnx.remat over the module would also return it); the streams it drew from come back.
+    # Under scan, CSE across iterations cannot happen: prevent_cse=False, as the Linen side.
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def layer(state, x):
+      block = nnx.merge(graphdef, state)
+      return block(x, deterministic=not train), nnx.state(block, nnx.RngState)
+
+    def body(x, state):
+      return layer(state, x)
+
+    x, streams = jax.lax.scan(body, x, state)
+    nnx.update(self.layers, streams)
+    return constrain(self.head(self.final_norm(x)), 'logits')
+
+
+def create_train_state(cfg: ProdConfig, seed: int) -> tuple[Transformer, nnx.Optimizer]:
+  model = Transformer(cfg, rngs=nnx.Rngs(params=seed, dropout=seed + 1))
+  return model, nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+
+
+def loss_fn(model: Transformer, batch, dropout_key=None):
+  """Next-token cross entropy in train mode; dropout draws from the model's own streams
+  (`dropout_key`, the kit's step key, is not used)."""
+  tokens = batch['tokens']
+  return next_token_loss(model(tokens[:, :-1], train=True), tokens)
+
+
+@nnx.jit
+def train_step(model: Transformer, optimizer: nnx.Optimizer, batch, dropout_base):
+  loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+  optimizer.update(model, grads)
+  return {'loss': loss, 'grad_norm': optax.global_norm(grads)}
+
+
+def forward(model: Transformer, batch):
+  """The model's eval-mode output (the logits), as the kit's eval part compares it."""
+  return model(batch['tokens'][:, :-1])
+
+
+@nnx.jit
+def eval_step(model: Transformer, batch):
+  return {'loss': next_token_loss(forward(model, batch), batch['tokens'])}
