@@ -15,10 +15,11 @@ import pytest
 from models import data, rng
 from models.config import get_configs
 from bridge.sides import as_jax_batch
+from tests import tiers
 from tests.runs import start
 
 TRACE_EVENT = '/jax/core/compile/jaxpr_trace_duration'
-SCENARIO = '01_baseline'  # the group whose sides every other test of it uses
+SCENARIO = tiers.CORE_SCENARIOS[0]  # the core tier's decoder group, whose sides its other tests use
 
 
 @contextlib.contextmanager

@@ -72,9 +72,9 @@ CORE_SCENARIO_TESTS = {
         ('test_scenario_trains_bit_identically', 'test_memory_equal_on_one_device',
          'test_program_identical_on_one_device', 'test_scenario_specs_agree'),
         "its side-by-side run (one compile of each side's step) with its loss record, memory and"
-        ' programs, and its spec tables: they fail on fp8 state that a step does not update and on'
-        ' the other planted bugs; 11_composite_accum runs the battery, the mesh, logits and eval,'
-        " and the core tier's time has no room for a second set",
+        ' programs, and its spec tables: they fail on fp8 state that a step does not update (and on'
+        ' dropout keys, step counter and remat policy bugs); 11_composite_accum runs the battery,'
+        " the mesh, logits and eval, and the core tier's time has no room for a second set",
     ),
 }
 # The decoder's mesh matrix in the core tier (tests/runs.py MESHES): the mesh of all three axes.
@@ -90,7 +90,7 @@ EXHAUSTIVE_PARTS = {
         'the localizer on equal sides: the stock-attention pair localizes a real difference',
     ('decoder_11_composite_accum', 'grads'):
         "one step's gradients (another program to compile per side): the train part compares ten"
-        " steps' of them bit for bit through the optimizer; the other families' grads parts run",
+        " steps of them bit for bit through the optimizer; the other families' grads parts run",
 }
 MARKER = 'exhaustive'  # and the option, --exhaustive (root conftest.py)
 # How the main process tells pytest-xdist's workers its choice (root conftest.py).

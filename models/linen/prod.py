@@ -161,7 +161,7 @@ def loss_fn(params, state: TrainState, batch, dropout_key):
 def train_step(state: TrainState, batch, dropout_base):
   key = parity.step_key(dropout_base, state.step, 0)
   loss, grads = jax.value_and_grad(loss_fn)(state.params, state, batch, key)
-  return state.apply_gradients(grads=grads), {'loss': loss, 'grad_norm': optax.global_norm(grads)}
+  return state.apply_gradients(grads=grads), {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
 
 
 def forward(state: TrainState, batch):

@@ -23,15 +23,25 @@ import optax
 from flax import nnx
 
 from models.families import PROD_ACTIVATION_AXES, PROD_PARAM_AXES, ProdConfig
-from models.linen.prod import make_optimizer, next_token_loss, rope  # framework-free, shared
 
 
 def _init(init, axes: str):
-  return nnx.with_partitioning(init, PROD_PARAM_AXES[axes])
+  # Placed once, whole, by the trainer (not eagerly, variable by variable, at creation).
+  return nnx.with_partitioning(init, PROD_PARAM_AXES[axes], eager_sharding=False)
 
 
 def constrain(x, axes: str):
   return nn.with_logical_constraint(x, PROD_ACTIVATION_AXES[axes])
+
+
+def rope(x, max_timescale: float):
+  """Rotary position embedding of [B, L, H, D] at positions 0..L-1 (halves rotated)."""
+  half = x.shape[-1] // 2
+  timescale = max_timescale ** (2 * jnp.arange(half, dtype=jnp.float32) / x.shape[-1])
+  angle = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] / timescale  # [L, D/2]
+  sin, cos = jnp.sin(angle)[None, :, None], jnp.cos(angle)[None, :, None]
+  first, second = x[..., :half], x[..., half:]
+  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
 def _dense(in_features: int, out_features: int, axes: str, rngs: nnx.Rngs) -> nnx.Linear:
@@ -121,30 +131,50 @@ class Transformer(nnx.Module):
       return Block(cfg, rngs=rngs)
 
     self.layers = stacked(rngs)
+    self.dropout_rate = cfg.dropout_rate
+
+  def streams_advance(self, train: bool) -> bool:
+    """Whether a forward pass draws from the dropouts' streams (train mode, a rate above 0)."""
+    return train and self.dropout_rate > 0
 
   def __call__(self, tokens, train: bool = False):
     x = constrain(self.embed(tokens), 'hidden')
     graphdef, state = nnx.split(self.layers)
+    advance = self.streams_advance(train)
 
     # The layer's state enters the checkpoint as an input only, as in Linen's nn.remat
-    # (nnx.remat over the module would also return it); the streams it drew from come back.
-    # Under scan, CSE across iterations cannot happen: prevent_cse=False, as the Linen side.
+    # (nnx.remat over the module would also return it). Under scan, CSE across iterations
+    # cannot happen: prevent_cse=False, as the Linen side.
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def layer(state, x):
       block = nnx.merge(graphdef, state)
-      return block(x, deterministic=not train), nnx.state(block, nnx.RngState)
+      y = block(x, deterministic=not train)
+      # The streams a dropout drew from come back (next step, new masks). Nothing drawn, they
+      # stay out of the loop: carried through it they would cost its tuple 8 entries.
+      return y, (nnx.state(block, nnx.RngState) if advance else None)
 
     def body(x, state):
       return layer(state, x)
 
     x, streams = jax.lax.scan(body, x, state)
-    nnx.update(self.layers, streams)
+    if advance:
+      nnx.update(self.layers, streams)
     return constrain(self.head(self.final_norm(x)), 'logits')
+
+
+def make_optimizer(cfg: ProdConfig) -> optax.GradientTransformation:
+  schedule = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
 
 
 def create_train_state(cfg: ProdConfig, seed: int) -> tuple[Transformer, nnx.Optimizer]:
   model = Transformer(cfg, rngs=nnx.Rngs(params=seed, dropout=seed + 1))
   return model, nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+
+
+def next_token_loss(logits, tokens):
+  """Mean cross entropy of each position's logits against the next token."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
 def loss_fn(model: Transformer, batch, dropout_key=None):
@@ -158,7 +188,7 @@ def loss_fn(model: Transformer, batch, dropout_key=None):
 def train_step(model: Transformer, optimizer: nnx.Optimizer, batch, dropout_base):
   loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
   optimizer.update(model, grads)
-  return {'loss': loss, 'grad_norm': optax.global_norm(grads)}
+  return {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
 
 
 def forward(model: Transformer, batch):
