@@ -6,8 +6,9 @@ are made stacked by `nnx.vmap` over split `nnx.Rngs` (parameters stacked on
 axis 0 under the logical name 'layers') and run by `jax.lax.scan` over the
 state `nnx.split` gives, each layer under `jax.checkpoint`. Each dropout holds
 its own forked stream (`nnx.Dropout(rate, rngs=rngs)`), so the model keeps
-RNG state, stacked per layer, that a Linen `TrainState` does not have; the
-scan hands back the streams a layer drew from. Parameters carry logical axes
+RNG state, stacked per layer, that a Linen `TrainState` does not have; when
+a dropout draws (train mode, a rate above 0), the scan hands back the streams
+it advanced. Parameters carry logical axes
 (`nnx.with_partitioning`), activations logical constraints
 (`nn.with_logical_constraint`: flax has no NNX one), all resolved by
 PROD_RULES. Trained with the stock `nnx.Optimizer`, as the Linen side.
@@ -150,7 +151,8 @@ class Transformer(nnx.Module):
       block = nnx.merge(graphdef, state)
       y = block(x, deterministic=not train)
       # The streams a dropout drew from come back (next step, new masks). Nothing drawn, they
-      # stay out of the loop: carried through it they would cost its tuple 8 entries.
+      # stay out of the loop, whose tuple would otherwise hold them in and out (Linen's nn.scan
+      # splits its dropout keys inside the step: nothing of them is state).
       return y, (nnx.state(block, nnx.RngState) if advance else None)
 
     def body(x, state):

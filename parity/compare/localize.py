@@ -12,11 +12,20 @@ parameter's gradient. `localize` then compares both sides bitwise:
   whose parameters' gradients differ computes its own backward pass
   differently; the innermost such module is named (of several at one depth,
   the one the backward pass runs first).
+
+Module calls inside a transform's body are that body's tracers. `localize_step`
+probes with the bodies of `jax.lax.scan` and `jax.checkpoint` opened
+(`layers_opened`): their calls leave as extra outputs of the body, a scan's
+stacked by layer, so each layer of a scanned stack (Linen `nn.scan`, NNX
+`nnx.scan` or `jax.lax.scan` over `nnx.split` state, rematerialised or not)
+is compared on its own, `layers/1/mlp`, and a stacked parameter's gradient
+layer by layer. Calls inside other transforms are listed as not recorded.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from typing import Any, Callable
 
@@ -35,36 +44,272 @@ from parity.core import compat
 
 ROOT = '(model)'
 _LAYER = re.compile(r'(^|/)layers_(\d+)(/|$)')
+_SCANNED_LAYER = re.compile(r'(^|/)(\d+)(?=/|$)')
 
 
 def _float_tree(y: Any) -> Any:
   return jax.tree.map(lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else None, y)
 
 
-class _Recorder:
-  """Names each module call and adds its probe; collects outputs during one trace."""
+# The layer index of a call inside a scanned body, in its key until the scan's outputs are
+# taken apart by layer (`_expand`).
+_LAYER_MARK = '<layer>'
 
-  def __init__(self, probes: dict[str, Any] | None, call_key: Callable[[str], str] = lambda key: key):
-    self.probes = probes
-    self.call_key = call_key  # the key of a call (`path`, `path#n` for its n-th repeat) on the other side
+
+def _expand(key: str, layer: int) -> str:
+  """`key` of the call in layer `layer` (the innermost scan's mark replaced by the index)."""
+  head, _, tail = key.rpartition(_LAYER_MARK)
+  return f'{head}{layer}{tail}'
+
+
+def _arrays(y: Any) -> Any:
+  """`y` with every leaf that is not an array as None (what a transform's body can return)."""
+  return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else None, y)
+
+
+class _Frame:
+  """The calls recorded in one trace: the probe's own, or a transformed body's (`_Recorder.opened`)."""
+
+  def __init__(self, trace: Any, probes: dict[str, Any] | None, scan: bool = False):
+    self.trace = trace
+    self.probes = probes  # key -> the zero probe added to the call's output (None: the shapes pass)
+    self.scan = scan
+    self.root: str | None = None  # a scan's: the path of the first module called in its body
     self.outputs: dict[str, Any] = {}
     self.inputs: dict[str, Any] = {}  # each call's first argument, when it is a float array
     self.order: list[str] = []
-    self._calls: dict[str, int] = {}
 
-  def record(self, path: str, y: Any, args: tuple = ()) -> Any:
+
+class _Bodies:
+  """What one probe's two traces share: the keys each opened body recorded on the shapes pass
+  (in trace order), so that the probed pass hands each body the probes of its calls."""
+
+  def __init__(self):
+    self.keys: dict[int, list[str]] = {}
+    self.count = 0
+
+
+class _Recorder:
+  """Names each module call and adds its probe; collects outputs during one trace.
+
+  `opened` (the localizer's own probes, `localize_step`): the bodies of `jax.lax.scan` and
+  `jax.checkpoint` (what Linen's `nn.scan` and `nn.remat`, NNX's `nnx.scan` and `nnx.remat`,
+  and hand-written NNX stacks call) record their module calls too, as extra outputs of the
+  body: a scan's stacked along the layer axis, each layer's call then named by its index
+  after the stack's path (`layers/1/mlp`: the stack is the first module called in the body).
+  Otherwise such calls are the body's tracers and go to `unrecorded`.
+  """
+
+  def __init__(self, probes: dict[str, Any] | None, call_key: Callable[[str], str] = lambda key: key,
+               bodies: _Bodies | None = None):
+    self.call_key = call_key  # the key of a call (`path`, `path#n` for its n-th repeat) on the other side
+    self.root = _Frame(tracers.current_trace(), probes)
+    self.frames = [self.root]
+    self.bodies = bodies
+    if bodies is not None:
+      bodies.count = 0
+    self.unrecorded: list[str] = []
+    self.recorded_paths: set[str] = set()
+    self._calls: dict[str, int] = {}
+    self._active: list[str | None] = []  # keys of the module calls under way (None: not recorded)
+    self.params: dict[int, str] = {}  # id of each parameter leaf traced -> its gradient's name
+    # stack path -> the parameters its scan slices by layer (inputs on axis 0), stacks outside
+    # any other transformed body
+    self.stacked: dict[str, tuple[str, ...]] = {}
+
+  @property
+  def outputs(self) -> dict[str, Any]:
+    return self.root.outputs
+
+  @property
+  def inputs(self) -> dict[str, Any]:
+    return self.root.inputs
+
+  @property
+  def order(self) -> list[str]:
+    return self.root.order
+
+  def call(self, path: str, args: tuple, run: Callable[[], Any]) -> Any:
+    """`run()`, the module call at `path`; its output recorded (and probed) where it can be."""
+    frame = self.frames[-1]
+    here = tracers.current_trace() == frame.trace
+    if here:
+      scan = next((f for f in reversed(self.frames) if f.scan), None)
+      if scan is not None and scan.root is None:
+        scan.root = path
+    key = self._key(path) if here else None
+    # A lifted transform calling its module (Linen's nn.remat, inside its body): one call.
+    repeat = key is not None and bool(self._active) and self._active[-1] == key
+    self._active.append(None if repeat else key)
+    try:
+      y = run()
+    finally:
+      self._active.pop()
+    if not here:
+      if (path or ROOT) not in self.unrecorded:
+        self.unrecorded.append(path or ROOT)
+      return y
+    if repeat:
+      return y
+    return self.record(frame, path, key, y, args)
+
+  def _key(self, path: str) -> str:
+    """The call's key before its repeat count: the path, with a layer mark after the stack's path
+    for each scan it runs in (`layers/<layer>/mlp`)."""
+    key = path
+    for frame in reversed(self.frames):  # innermost first: its stack is the deepest
+      if frame.scan and frame.root is not None:
+        key = _marked(key, path, frame.root)
+    return key or ROOT
+
+  def record(self, frame: _Frame, path: str, key: str, y: Any, args: tuple = ()) -> Any:
+    n = self._calls.get(key, 0)
+    self._calls[key] = n + 1
     path = path or ROOT
-    n = self._calls.get(path, 0)
-    self._calls[path] = n + 1
-    key = self.call_key(path if n == 0 else f'{path}#{n}')
-    self.order.append(key)
+    # The other side's key of the call, its layer marks (if any) put back.
+    key = self._key(self.call_key(path if n == 0 else f'{path}#{n}'))
+    self.recorded_paths.add(path)
+    frame.order.append(key)
     if args and isinstance(args[0], jax.Array) and jnp.issubdtype(args[0].dtype, jnp.inexact):
-      self.inputs[key] = args[0]
-    if self.probes is not None and key in self.probes:
-      y = jax.tree.map(lambda a, p: a if p is None else a + p.astype(a.dtype), y, self.probes[key],
+      frame.inputs[key] = args[0]
+    if frame.probes is not None and key in frame.probes:
+      y = jax.tree.map(lambda a, p: a if p is None else a + p.astype(a.dtype), y, frame.probes[key],
                        is_leaf=lambda x: x is None)
-    self.outputs[key] = y
+    frame.outputs[key] = y if frame is self.root else _arrays(y)
     return y
+
+  # -- transformed bodies, opened --------------------------------------------------------
+
+  def _body(self) -> tuple[_Frame, int, list[str]] | None:
+    """(the frame calling a transform, the body's number, its keys on the shapes pass); None
+    where the transform is called from a trace no frame records (it then runs as it is)."""
+    parent = self.frames[-1]
+    if self.bodies is None or tracers.current_trace() != parent.trace:
+      return None
+    number = self.bodies.count
+    self.bodies.count += 1
+    return parent, number, self.bodies.keys.get(number, [])
+
+  def _run_body(self, number: int, probes: Any, scan: bool, fn: Callable[[], Any]) -> tuple[_Frame, Any]:
+    frame = _Frame(tracers.current_trace(), probes, scan)
+    self.frames.append(frame)
+    try:
+      out = fn()
+    finally:
+      self.frames.pop()
+    self.bodies.keys[number] = list(frame.outputs)
+    return frame, out
+
+  def scan(self, original: Callable, f, init, xs=None, length=None, reverse=False, unroll=1, **kwargs):
+    """`jax.lax.scan`, its body's calls recorded as outputs stacked by layer, their probes as
+    inputs stacked alike."""
+    body = self._body()
+    if body is None:
+      return original(f, init, xs, length, reverse, unroll, **kwargs)
+    parent, number, keys = body
+    layers = length if length is not None else jax.tree.leaves(xs)[0].shape[0]
+    probes = None
+    if parent.probes is not None:
+      stack = lambda *p: jnp.stack(p)  # noqa: E731
+      probes = {k: jax.tree.map(stack, *[parent.probes[_expand(k, i)] for i in range(layers)])
+                for k in keys if all(_expand(k, i) in parent.probes for i in range(layers))}
+    frames, calls, count = [], dict(self._calls), self.bodies.count
+
+    def scanned(carry, packed):
+      x, probes = packed
+      # A body traced again (a carry's weak type changed) names and numbers its calls alike.
+      self._calls, self.bodies.count = dict(calls), count
+      frame, (carry, y) = self._run_body(number, probes, True, lambda: f(carry, x))
+      frames[:] = [frame]
+      return carry, (y, frame.outputs, frame.inputs)
+
+    carry, (ys, outputs, inputs) = original(scanned, init, (xs, probes), length, reverse, unroll, **kwargs)
+    if parent is self.root and frames[0].root is not None:
+      sliced = tuple(self.params[id(x)] for x in jax.tree.leaves(xs) if id(x) in self.params)
+      if sliced:
+        self.stacked[frames[0].root] = sliced  # its layers' calls: `<root>/<layer>/...`
+    order = range(layers - 1, -1, -1) if reverse else range(layers)
+    parent.order += [_expand(k, i) for i in order for k in frames[0].order]
+    for got, into in ((outputs, parent.outputs), (inputs, parent.inputs)):
+      for k, v in got.items():
+        into.update({_expand(k, i): jax.tree.map(lambda a: a[i], v) for i in range(layers)})
+    return carry, ys
+
+  def checkpoint(self, original: Callable, fun=None, **options):
+    """`jax.checkpoint`, its body's calls recorded as its outputs, their probes as inputs."""
+    if fun is None:
+      return functools.partial(self.checkpoint, original, **options)
+    static = options.get('static_argnums', ())
+    static = (static,) if isinstance(static, int) else tuple(static)
+
+    @functools.wraps(fun)
+    def call(*args, **kwargs):
+      body = self._body()
+      if body is None:
+        return original(fun, **options)(*args, **kwargs)
+      parent, number, keys = body
+      probes = None if parent.probes is None else {k: parent.probes[k] for k in keys if k in parent.probes}
+
+      def inner(probes, *args, **kwargs):
+        frame, out = self._run_body(number, probes, False, lambda: fun(*args, **kwargs))
+        frames[:] = [frame]
+        return out, (frame.outputs, frame.inputs)
+
+      frames = []
+      shifted = dict(options, static_argnums=tuple(i + 1 if i >= 0 else i for i in static))
+      out, (outputs, inputs) = original(inner, **shifted)(probes, *args, **kwargs)
+      parent.order += frames[0].order
+      parent.outputs.update(outputs)
+      parent.inputs.update(inputs)
+      return out
+
+    return call
+
+  @contextlib.contextmanager
+  def opened(self):
+    """While active, `jax.lax.scan` and `jax.checkpoint` (`jax.remat`) record their bodies' calls."""
+    if self.bodies is None:
+      yield
+      return
+    scan, checkpoint, remat = jax.lax.scan, jax.checkpoint, jax.remat
+    try:
+      jax.lax.scan = functools.partial(self.scan, scan)
+      jax.checkpoint = functools.partial(self.checkpoint, checkpoint)
+      jax.remat = functools.partial(self.checkpoint, remat)
+      yield
+    finally:
+      jax.lax.scan, jax.checkpoint, jax.remat = scan, checkpoint, remat
+
+  def name_params(self, params: Any, name: Callable[[str], str]) -> None:
+    """Lets an opened scan tell which parameters it slices by layer (its inputs, on axis 0):
+    each parameter leaf of this trace by its id, named as the probe names its gradient."""
+    if self.bodies is not None:
+      self.params = {id(x): name(p) for p, x in paths.flatten(params).items()}
+
+  def unrecorded_calls(self) -> tuple[str, ...]:
+    """The calls seen only where they cannot be recorded (a body traced outside its transform,
+    as Linen's nn.scan traces its body once more to check it)."""
+    return tuple(p for p in self.unrecorded if p not in self.recorded_paths)
+
+
+def _marked(key: str, path: str, root: str) -> str:
+  """`key` (of the call at `path`) with a layer mark after the stack's path: `root`, or what
+  `path` shares with it where the call is not under it."""
+  if not (path == root or path.startswith(root + '/') or not root):
+    parts, common = path.split('/'), root.split('/')
+    n = next((i for i, (a, b) in enumerate(zip(parts, common)) if a != b), min(len(parts), len(common)))
+    root = '/'.join(parts[:n])
+  if not root:
+    return f'{_LAYER_MARK}/{key}' if key else _LAYER_MARK
+  # The stack's path is a prefix of `path`; in `key` earlier marks may precede it.
+  depth = root.count('/') + 1
+  parts = key.split('/')
+  seen = i = 0
+  while seen < depth:
+    if parts[i] != _LAYER_MARK:
+      seen += 1
+    i += 1
+  return '/'.join(parts[:i] + [_LAYER_MARK] + parts[i:])
 
 
 def _zeros_like(shapes: dict[str, Any]) -> dict[str, Any]:
@@ -76,11 +321,16 @@ def _zeros_like(shapes: dict[str, Any]) -> dict[str, Any]:
 
 
 def _flat_outputs(tree: dict[str, Any]) -> dict[str, Any]:
+  """Each call's output leaves, `key:sub`; a call's only leaf by its key alone (a Linen
+  scanned layer returns `(x, None)` where an NNX one returns `x`)."""
   out = {}
   for key, y in tree.items():
-    for sub, leaf in paths.items(y):
-      if leaf is not None:
-        out[key if not sub else f'{key}:{sub}'] = leaf
+    leaves = [(sub, leaf) for sub, leaf in paths.items(y) if leaf is not None]
+    if len(leaves) == 1:
+      out[key] = leaves[0][1]
+      continue
+    for sub, leaf in leaves:
+      out[key if not sub else f'{key}:{sub}'] = leaf
   return out
 
 
@@ -90,46 +340,58 @@ def _flat_outputs(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _linen_intercept(recorder: _Recorder, unrecorded: list[str]):
+def _linen_intercept(recorder: _Recorder):
   """Records each module's `__call__`, except inside a lifted transform's body (`nn.scan`,
-  `nn.remat`, ...): its values are the body's tracers, which cannot leave it (their paths
-  go to `unrecorded`; the transformed module's own call, outside, is recorded)."""
-  outer = tracers.current_trace()
+  `nn.remat`, ...) that the recorder has not opened: its values are the body's tracers, which
+  cannot leave it (their paths go to `unrecorded`)."""
 
   def interceptor(next_fun, args, kwargs, context):
-    y = next_fun(*args, **kwargs)
     if context.method_name != '__call__':
-      return y
-    path = '/'.join(context.module.path)
-    if tracers.current_trace() != outer:
-      if path not in unrecorded:
-        unrecorded.append(path)
-      return y
-    return recorder.record(path, y, args)
+      return next_fun(*args, **kwargs)
+    return recorder.call('/'.join(context.module.path), args, lambda: next_fun(*args, **kwargs))
 
-  with nn.intercept_methods(interceptor):
+  with nn.intercept_methods(interceptor), recorder.opened():
     yield
+
+
+# Set by `layers_opened`: the probes record the module calls inside scanned and
+# rematerialised bodies (`_Recorder`), each layer of a stack by its index.
+_OPENED = [False]
+
+
+@contextlib.contextmanager
+def layers_opened():
+  """While active, `linen_probe` and `nnx_probe` record the module calls inside `jax.lax.scan`
+  and `jax.checkpoint` bodies (Linen `nn.scan`, `nn.remat`; NNX `nnx.scan`, `nnx.remat`, and
+  `jax.lax.scan` over `nnx.split` state), a stack's layers named by their index
+  (`layers/1/mlp`); `localize_step` probes so."""
+  before = _OPENED[0]
+  _OPENED[0] = True
+  try:
+    yield
+  finally:
+    _OPENED[0] = before
 
 
 def linen_probe(loss: Callable, has_aux: bool, state: Any, batch: Any, dropout_key: Any) -> adapter.Probe:
   """The probe of a stock-TrainState side: loss(params, state, batch, key)."""
+  bodies = _Bodies() if _OPENED[0] else None
 
   def traced(params, probes, state, batch, dropout_key):
-    recorder = _Recorder(probes)
-    unrecorded.clear()
-    with _linen_intercept(recorder, unrecorded):
+    recorder = _Recorder(probes, bodies=bodies)
+    recorder.name_params(params, lambda p: 'params/' + p)
+    with _linen_intercept(recorder):
       value = loss(params, state, batch, dropout_key)
     value = value[0] if has_aux else value
-    order[:] = recorder.order
+    seen[:] = [recorder]
     return value, (recorder.outputs, recorder.inputs)
 
-  order: list[str] = []
-  unrecorded: list[str] = []
+  seen: list[_Recorder] = []
   probe = _probe(
-      traced, order, state.params, (state, batch, dropout_key),
+      traced, seen, state.params, (state, batch, dropout_key),
       lambda p: {'params/' + k: g for k, g in paths.flatten(p).items()},
   )
-  return dataclasses.replace(probe, unrecorded=tuple(unrecorded))
+  return probe
 
 
 # ---------------------------------------------------------------------------
@@ -138,38 +400,29 @@ def linen_probe(loss: Callable, has_aux: bool, state: Any, batch: Any, dropout_k
 
 
 @contextlib.contextmanager
-def _nnx_intercept(model: nnx.Module, recorder: _Recorder, rename: Callable[[str], str],
-                   unrecorded: list[str]):
+def _nnx_intercept(model: nnx.Module, recorder: _Recorder, rename: Callable[[str], str]):
   """Each module class's `__call__` wrapped (restored on exit); outermost call per instance
-  recorded, except inside a transform's body (`nnx.remat`, `nnx.scan`, ...), whose module
-  copies (named by their originals' tags, parity/compare/scopes.py) compute the body's tracers:
-  their paths go to `unrecorded`, as on the Linen side."""
+  recorded, except inside a transform's body (`nnx.remat`, `nnx.scan`, ...) that the recorder
+  has not opened, whose module copies (named by their originals' tags,
+  parity/compare/scopes.py) compute the body's tracers: their paths go to `unrecorded`, as on
+  the Linen side."""
   scopes.tag_paths(model, rename)
-  outer = tracers.current_trace()
   active: set[int] = set()
 
   def wrap(original):
     def __call__(self, *args, **kwargs):
-      outermost = id(self) not in active
+      path = scopes.tagged_path(self)
+      if id(self) in active or path is None:
+        return original(self, *args, **kwargs)
       active.add(id(self))
       try:
-        y = original(self, *args, **kwargs)
+        return recorder.call(path, args, lambda: original(self, *args, **kwargs))
       finally:
-        if outermost:
-          active.discard(id(self))
-      path = scopes.tagged_path(self)
-      if not outermost or path is None:
-        return y
-      path = path or ROOT
-      if tracers.current_trace() != outer:
-        if path not in unrecorded:
-          unrecorded.append(path)
-        return y
-      return recorder.record(path, y, args)
+        active.discard(id(self))
 
     return __call__
 
-  with scopes.patched_module_calls(model, wrap):
+  with scopes.patched_module_calls(model, wrap), recorder.opened():
     yield
 
 
@@ -187,6 +440,8 @@ def nnx_probe(
   # The (model, optimizer) state split so that only the model's parameters
   # are differentiated (the optimizer holds no nnx.Param).
   params, rest = nnx.split_state(state, nnx.Param, ...)
+  bodies = _Bodies() if _OPENED[0] else None
+  name = lambda k: prefix + renames.to_linen(k[2:])  # noqa: E731
 
   def traced(params, probes, rest, batch, dropout_key):
     # Fresh Variables of this trace (merge reuses the state's own, which
@@ -194,32 +449,30 @@ def nnx_probe(
     params, rest = jax.tree.map(lambda x: x, (params, rest))
     with compat.eager_sharding_off():
       model, _ = nnx.merge(graphdef, params, rest)
-    recorder = _Recorder(probes, call_key)
-    unrecorded.clear()
-    with _nnx_intercept(model, recorder, renames.to_linen, unrecorded):
+    recorder = _Recorder(probes, call_key, bodies)
+    recorder.name_params(params, name)
+    with _nnx_intercept(model, recorder, renames.to_linen):
       value = loss(model, batch, dropout_key)
-    order[:] = recorder.order
+    seen[:] = [recorder]
     return value, (recorder.outputs, recorder.inputs)
 
-  order: list[str] = []
-  unrecorded: list[str] = []
+  seen: list[_Recorder] = []
   probe = _probe(
-      traced, order, params, (rest, batch, dropout_key),
-      lambda p: {
-          prefix + renames.to_linen(k[2:]): to_linen(k[2:], g) for k, g in paths.flatten(p).items()
-      },
+      traced, seen, params, (rest, batch, dropout_key),
+      lambda p: {name(k): to_linen(k[2:], g) for k, g in paths.flatten(p).items()},
   )
-  return dataclasses.replace(probe, unrecorded=tuple(call_key(u) for u in unrecorded))
+  return dataclasses.replace(probe, unrecorded=tuple(call_key(u) for u in probe.unrecorded))
 
 
 # ---------------------------------------------------------------------------
 
 
-def _probe(traced: Callable, order: list[str], params: Any, args: tuple, name_grads: Callable) -> adapter.Probe:
+def _probe(traced: Callable, seen: list[_Recorder], params: Any, args: tuple,
+           name_grads: Callable) -> adapter.Probe:
   """Outputs, output cotangents and parameter gradients of one traced loss.
 
-  `traced(params, probes, *args) -> (loss, outputs)` fills `order` with the
-  module calls in execution order each time it is traced.
+  `traced(params, probes, *args) -> (loss, outputs)` leaves its recorder in `seen`
+  each time it is traced (the module calls in execution order, the calls it could not record).
   """
   _, (shapes, _) = jax.eval_shape(lambda p, a: traced(p, None, *a), params, args)
   shapes = {k: _float_tree(v) for k, v in shapes.items()}
@@ -230,13 +483,27 @@ def _probe(traced: Callable, order: list[str], params: Any, args: tuple, name_gr
     return outputs, inputs, cotangents, param_grads
 
   outputs, inputs, cotangents, param_grads = jax.jit(run)(params, args)
-  return adapter.Probe(
-      order=list(order),
+  recorder = seen[0]
+  probe = adapter.Probe(
+      order=list(recorder.order),
       inputs=dict(inputs),
       outputs=_flat_outputs(outputs),
       cotangents=_flat_outputs(cotangents),
       param_grads=name_grads(param_grads),
+      unrecorded=recorder.unrecorded_calls(),
   )
+  if recorder.stacked:
+    probe = _StackedProbe(**{f.name: getattr(probe, f.name) for f in dataclasses.fields(probe)},
+                          stacked=dict(recorder.stacked))
+  return probe
+
+
+@dataclasses.dataclass(frozen=True)
+class _StackedProbe(adapter.Probe):
+  """A probe of opened stacks: `stacked`, each stack's path -> the parameters its scan slices
+  by layer on axis 0 (their gradients are compared layer by layer in the backward pass)."""
+
+  stacked: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------
@@ -271,7 +538,8 @@ class Localization:
     """The first divergent module: `{step, path, layer, pass, max_ulp}` (None: none found).
 
     A layer of a stack (`.../layers_<i>/...`, as the unscanned twin of a
-    scanned stack names it) is reported as the stack's path with its index.
+    scanned stack names it; `<stack>/<i>/...`, a scanned stack's layer as the
+    opened probes name it) is reported as the stack's path with its index.
     """
     if self.forward is not None:
       module, pass_name, ulp = self.forward, 'forward', self.forward_ulp
@@ -281,8 +549,13 @@ class Localization:
     else:
       return None
     m = _LAYER.search(module)
-    layer = None if m is None else int(m.group(2))
-    path = module if m is None else module[:m.start()] + m.group(1) + 'layers' + m.group(3) + module[m.end():]
+    if m is not None:
+      layer = int(m.group(2))
+      path = module[:m.start()] + m.group(1) + 'layers' + m.group(3) + module[m.end():]
+    else:  # a layer of an opened scan, `<stack>/<layer>/...`
+      m = _SCANNED_LAYER.search(module)
+      layer = None if m is None else int(m.group(2))
+      path = module if m is None else (module[:m.start()] + module[m.end():]).lstrip('/')
     return {'step': step, 'path': path.rstrip('/'), 'layer': layer, 'pass': pass_name, 'max_ulp': ulp}
 
   @property
@@ -379,10 +652,25 @@ def localize_step(
   """Both sides probed from one state (the checkpoint layout) on one step's placed batch and key.
 
   The runner and the battery both localize a divergent step this way, from
-  the Linen side's state before it.
+  the Linen side's state before it, with the layers of scanned stacks opened
+  (`layers_opened`).
   """
-  probes = [side.probe(side.from_checkpoint(linen_state), batch, key) for side in (linen, nnx_side)]
-  return localize(*probes)
+  states = [side.from_checkpoint(linen_state) for side in (linen, nnx_side)]
+
+  def probed():
+    return localize(*(side.probe(state, batch, key) for side, state in zip((linen, nnx_side), states)))
+
+  try:
+    with layers_opened():  # each layer of a scanned stack recorded
+      opened = probed()
+  except Exception:  # a body the recorder cannot open: probed as it is, its calls not recorded
+    return probed()
+  if not (opened.only_linen or opened.only_nnx):
+    return opened
+  # Calls on one side only: a body one side opens where the other's cannot be (a transform
+  # made before the probe, say); unopened, both list their calls as not recorded.
+  plain = probed()
+  return plain if not (plain.only_linen or plain.only_nnx) else opened
 
 
 def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
@@ -436,15 +724,23 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
   # Modules of one depth in the backward pass's order (the forward's reversed),
   # so the first one named is the same on every run.
   position = {call: i for i, call in enumerate(common)}
+  stacked = _stacked(linen, nnx_probe)
   for call in sorted(cot_equal, key=lambda c: (-_depth(_module_of(c)), -position[c])):
     module = _module_of(call)
-    mine = [p for p in bad if _under(p, module) and p not in claimed]
+    layer = _layer_params(module, stacked, [p for p in bad if p not in claimed])
+    if layer is not None:  # a layer of a scanned stack: its slice of the stacked gradients
+      index, params = layer
+      pairs = {p: (linen.param_grads[p][index], nnx_probe.param_grads[p][index]) for p in params}
+      mine = [p for p, (a, b) in pairs.items() if differs(a, b, f'{p}@{index}')]
+      for p in mine:
+        details[p] = f'layer {index}: ' + details[f'{p}@{index}']
+    else:
+      mine = [p for p in bad if _under(p, module) and p not in claimed]
+      pairs = {p: (linen.param_grads[p], nnx_probe.param_grads[p]) for p in mine}
     if mine:
       backward.append((module, mine))
       claimed.update(mine)
-      backward_ulp[module] = _max_ulp(
-          (linen.param_grads[p], nnx_probe.param_grads[p]) for p in mine
-      )
+      backward_ulp[module] = _max_ulp(pairs[p] for p in mine)
   return Localization(
       forward=forward,
       forward_call=forward_call,
@@ -466,6 +762,24 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       unrecorded=unrecorded,
       forward_unrecorded=_outermost_inside(forward, unrecorded) if inside else (),
   )
+
+
+def _stacked(linen: adapter.Probe, nnx_probe: adapter.Probe) -> dict[str, tuple[str, ...]]:
+  """The stacks both probes opened, each with the parameters both slice by layer on axis 0."""
+  a, b = getattr(linen, 'stacked', {}), getattr(nnx_probe, 'stacked', {})
+  return {stack: tuple(p for p in a[stack] if p in b[stack]) for stack in a if stack in b}
+
+
+def _layer_params(module: str, stacked: dict[str, tuple[str, ...]], params: list[str]):
+  """(layer index, the stacked parameters of `params` under it) of a module `<stack>/<i>/...`
+  in an opened stack; None for a module in none."""
+  for stack, sliced in stacked.items():
+    head, sep, rest = module.partition('/') if not stack else module[len(stack) + 1:].partition('/')
+    if (stack and not module.startswith(stack + '/')) or not head.isdigit():
+      continue
+    inside = '/'.join(filter(None, (stack, rest)))
+    return int(head), [p for p in params if p in sliced and _under(p, inside or ROOT)]
+  return None
 
 
 def _forward_ulp(linen: adapter.Probe, nnx_probe: adapter.Probe, call: str | None, inside: bool) -> int | None:
