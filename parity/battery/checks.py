@@ -717,7 +717,7 @@ def check_memory(pair: adapter.Pair) -> list[str]:
   accounted = []
   account = getattr(runs.side('nnx'), 'nnx_only_accounting', None)
   if account is not None and account()['paths']:
-    mem[1], accounted = _without_nnx_only(account(), *mem, runs.compiled('linen'), runs.compiled('nnx'))
+    mem[1], accounted = runner.without_nnx_only(account(), *mem, runs.compiled('linen'))
   drift = runner.memory_drift(*mem)
   if not drift:
     return accounted
@@ -735,31 +735,6 @@ def check_memory(pair: adapter.Pair) -> list[str]:
          f' {known.max_temp_bytes:,} B each, everything else equal)')
       + (f'; in the programs, {growth}' if growth else '')
   )
-
-
-def _output_entry_bytes(compiled) -> int:
-  """What XLA counts per output beyond its data (the output tuple's table), from a step."""
-  leaves = jax.tree.leaves(compiled.executable.out_info)
-  data = sum(int(np.prod(x.shape)) * (8 if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-                                      else np.dtype(x.dtype).itemsize) for x in leaves)
-  extra = compiled.memory(jax.devices()[0])['output_bytes'] - data
-  return extra // len(leaves) if leaves and extra % len(leaves) == 0 else 0
-
-
-def _without_nnx_only(account, linen_mem, nnx_mem, linen_compiled, nnx_compiled):
-  """NNX's memory analysis less exactly the `nnx_only` state's bytes (arguments; outputs with
-  their entries in the output table, as measured on Linen's step), and the accounting line."""
-  n, data = len(account['paths']), account['bytes']
-  entry = _output_entry_bytes(linen_compiled)
-  adjusted = dict(nnx_mem)
-  adjusted['argument_bytes'] -= data
-  adjusted['output_bytes'] -= data + n * entry
-  adjusted['peak_bytes'] = (adjusted['argument_bytes'] + adjusted['output_bytes'] + adjusted['temp_bytes']
-                            - adjusted['alias_bytes'])
-  line = (f'state only NNX keeps ({n} leaves, {data:,} B: {", ".join(account["paths"])}): NNX arguments'
-          f' less {data:,} B, outputs less {data + n * entry:,} B ({data:,} B and {n} x {entry} B of the'
-          f' output table, as on Linen\'s step); every other byte accounted')
-  return adjusted, [line]
 
 
 def check_program(pair: adapter.Pair) -> list[str]:
@@ -855,12 +830,17 @@ def check_substitution(pair: adapter.Pair) -> list[str]:
       check_train(substituted, 'linen')
       check_eval(substituted)
       check_localize(substituted)
+      if substituted.decode is not None:
+        from parity.battery.parts import ONE_DEVICE
+
+        check_decode(substituted, ONE_DEVICE)
     except AssertionError as e:
       raise AssertionError(
           f'{pair.name}: with the substitution of {", ".join(known.paths)} ({known.reason}) the pair is'
           f' still not bit-identical, so the declared modules are not the only difference:\n{e}') from None
-    lines.append(f'{", ".join(known.paths)}: with the substitution, grads, train, eval and the localizer'
-                 ' are bit for bit: the declared modules are the only source')
+    lines.append(f'{", ".join(known.paths)}: with the substitution, grads, train, eval, the localizer'
+                 f'{" and decoding" if substituted.decode is not None else ""} are bit for bit: the declared'
+                 ' modules are the only source')
   return lines
 
 

@@ -8,8 +8,7 @@ PARTS = (
     'structure', 'specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'mesh', 'memory',
     'program', 'localize', 'substitution', 'decode',
 )
-# Generated only for a pair that declares them: a value bound (parity.pairs.adapter.VALUE_PASSES),
-# decoding (`Pair(decode=...)`).
-DECLARED_ONLY = ('substitution', 'decode')
+# 'substitution' and 'decode' are generated only for a pair that declares them: a value bound
+# (parity.pairs.adapter.VALUE_PASSES), decoding (`Pair(decode=...)`); parity/battery/plugin.py.
 ONE_DEVICE = 'one_device'  # the decode part's placement off any mesh
 DIRECTIONS = ('linen->linen', 'linen->nnx', 'nnx->linen', 'nnx->nnx')

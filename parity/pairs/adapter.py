@@ -260,7 +260,8 @@ class Pair:
   `make_sides(mesh)` returns `(linen side, nnx side)` placed on `mesh` (None:
   one device); `batch(step, split)` gives a batch of numpy (or jax) arrays for
   'train' or 'eval'. `meshes` are the mesh specs ('data=8', ...) the
-  sharded part runs on (axes `data`, `fsdp`, `tensor`: parity.core.specs.MESH_AXES; all of one size). `steps` is the length of the training runs.
+  sharded part runs on (the kit's axes `data`, `fsdp`, `tensor` and any of the model's own,
+  parity.core.specs.parse_mesh_spec; all of one size; `mesh_factory` lays them out the model's way). `steps` is the length of the training runs.
   `rules`: the logical axis rules of the model's parameters and activation
   constraints; on each mesh every parameter must sit where the rules put
   its logical axes (the sides shard by them: parity/pairs/stock.py takes `rules=`).

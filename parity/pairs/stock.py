@@ -291,9 +291,11 @@ class StockNnx(_Stock):
   RNG streams a layer given `rngs=` keeps, `nnx.RngState`; a Linen
   TrainState keeps none). They stay in the side's state and its programs,
   out of the checkpoint layout and so out of every comparison of numbers; a
-  state made from a checkpoint takes them as `create(0)` makes them. The
-  programs and memory are compared as they are: the NNX step carries that
-  state in and out (arguments named `nnx-only/<path>`).
+  state made from a checkpoint takes them as `create(0)` makes them. They
+  are declared and accounted: the memory part takes exactly their bytes off
+  NNX's arguments and outputs, the program (and the mesh part's annotations)
+  is compared without them (`comparison_state`, `lower_for_comparison`),
+  and their placement is checked apart (`nnx_only_placement`).
   """
 
   create: Callable[[int], Any]
@@ -488,7 +490,7 @@ class StockNnx(_Stock):
     """`decode_fn`'s tokens, logits and cache (paths renamed to Linen's, under `cache/`)."""
     if self.decode_fn is None:
       return None
-    with self._context():
+    with self._context(), compat.eager_sharding_off():
       model = self._merge(state)[0]
       tokens, logits, cache = self.decode_fn(model, prompt, steps, key, temperature)
     return {'tokens': tokens, 'logits': logits,

@@ -143,6 +143,10 @@ class CompareResult:
   # The lowered train steps, {'linen': text, 'nnx': text} (not in the JSON).
   program_texts: dict[str, str] | None = dataclasses.field(default=None, repr=False)
   decode: DecodeRun | None = None  # `parity compare --decode N`
+  # State only NNX keeps (StockNnx `nnx_only`): NNX's memory with exactly its bytes taken off,
+  # what the memory verdict compares, and the accounting line.
+  nnx_only_memory: dict[str, Any] | None = None
+  nnx_only_accounting: str | None = None
 
   @property
   def bitwise_equal(self) -> bool:
@@ -169,8 +173,9 @@ class CompareResult:
 
   @property
   def memory_drift(self) -> list[str]:
-    """Each memory-analysis field that differs, with both values (empty: equal to the byte)."""
-    return memory_drift(self.linen.memory, self.nnx.memory)
+    """Each memory-analysis field that differs, with both values (empty: equal to the byte;
+    state only NNX keeps accounted)."""
+    return memory_drift(self.linen.memory, self.nnx_only_memory or self.nnx.memory)
 
   @property
   def memory_verdict(self) -> str:
@@ -180,7 +185,7 @@ class CompareResult:
       return 'not measured (the backend has no memory analysis)'
     drift = self.memory_drift
     if not drift:
-      return 'equal to the byte'
+      return 'equal to the byte' + ('' if self.nnx_only_accounting is None else f' ({self.nnx_only_accounting})')
     declared = self.declared_program_difference
     if declared_memory_admits(declared, self.linen.memory, self.nnx.memory):
       return (f'differs within the declared bound (NNX ' + ', '.join(drift)
@@ -455,6 +460,36 @@ def declared_memory_admits(declared: Any, linen: dict[str, Any], nnx: dict[str, 
   )
 
 
+def _output_entry_bytes(compiled, output_bytes: int) -> int:
+  """What XLA counts per output beyond its data (the output tuple's table), from a step and
+  its measured output bytes per device: each output's shard on a device counted as data."""
+  leaves = jax.tree.leaves(compiled.executable.out_info)
+  shardings = jax.tree.leaves(compiled.executable.output_shardings)
+  data = 0
+  for x, sharding in zip(leaves, shardings):
+    shape = sharding.shard_shape(x.shape) if len(shardings) == len(leaves) else x.shape
+    itemsize = 8 if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.dtype(x.dtype).itemsize
+    data += int(np.prod(shape)) * itemsize
+  extra = output_bytes - data
+  return extra // len(leaves) if leaves and extra >= 0 and extra % len(leaves) == 0 else 0
+
+
+def without_nnx_only(account, linen_mem, nnx_mem, linen_compiled):
+  """NNX's memory analysis less exactly the `nnx_only` state's bytes (arguments; outputs with
+  their entries in the output table, as measured on Linen's step), and the accounting line."""
+  n, data = len(account['paths']), account['bytes']
+  entry = _output_entry_bytes(linen_compiled, linen_mem['output_bytes'])
+  adjusted = dict(nnx_mem)
+  adjusted['argument_bytes'] -= data
+  adjusted['output_bytes'] -= data + n * entry
+  adjusted['peak_bytes'] = (adjusted['argument_bytes'] + adjusted['output_bytes'] + adjusted['temp_bytes']
+                            - adjusted['alias_bytes'])
+  line = (f'state only NNX keeps ({n} leaves, {data:,} B: {", ".join(account["paths"])}): NNX arguments'
+          f' less {data:,} B, outputs less {data + n * entry:,} B ({data:,} B and {n} x {entry} B of the'
+          f' output table, as on Linen\'s step); every other byte accounted')
+  return adjusted, [line]
+
+
 def memory_drift(linen: dict[str, Any], nnx: dict[str, Any], exclude: tuple[str, ...] = ()) -> list[str]:
   """Each memory-analysis field that differs, as NNX minus Linen (empty: equal to the byte)."""
   out = []
@@ -668,6 +703,11 @@ def compare_sides(
     if compare_memory:
       runs[name].memory = compiled[name].memory(device)
     runs[name].xla_flops = compiled[name].cost_flops()
+  nnx_only_memory = nnx_only_line = None
+  account = getattr(sides['nnx'], 'nnx_only_accounting', None)
+  if compare_memory and account is not None and account()['paths'] and runs['nnx'].memory:
+    nnx_only_memory, (nnx_only_line,) = without_nnx_only(
+        account(), runs['linen'].memory, runs['nnx'].memory, compiled['linen'])
   diff = program_diff_of(compiled['linen'], compiled['nnx']) if program_diff else None
   outside = None
   if diff is not None and not diff.identical and declared_program_difference is not None:
@@ -719,6 +759,8 @@ def compare_sides(
       memory_compared=compare_memory,
       program_texts={name: compiled[name].text for name in SIDES},
       decode=decoded,
+      nnx_only_memory=nnx_only_memory,
+      nnx_only_accounting=nnx_only_line,
   )
 
 
