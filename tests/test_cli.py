@@ -493,7 +493,9 @@ def test_compare_of_a_pair_whose_train_step_returns_no_loss_is_bad_input(monkeyp
   assert 'Traceback' not in err
 
 
-@pytest.mark.parametrize('argv', [[], ['--pair', 'tests/test_family_lm.py:lm']], ids=['decoder', 'lm_pair'])
+@pytest.mark.parametrize('argv', [
+    [], pytest.param(['--pair', 'tests/test_family_lm.py:lm'], marks=pytest.mark.exhaustive),
+], ids=['decoder', 'lm_pair'])
 def test_compare_decodes_after_training_and_reports_it(argv, tmp_path, capsys):
   """`--decode N`: both sides decode N tokens from one prompt after training, timed side by
   side; the verdict covers decoding and the JSON carries it under "decode"."""

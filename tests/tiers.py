@@ -88,6 +88,13 @@ EXHAUSTIVE_PARTS = {
         'tensor parallel on a mesh: the decoder trains on the 3-axis mesh, the classifier on data=8',
     ('encoder', 'localize'):
         'the localizer on equal sides: the stock-attention pair localizes a real difference',
+    **{('production', part): "the production-shaped pair's numbers (its scanned, rematerialised"
+       ' stacks train as the other families do): the core tier keeps what is its own, the 75'
+       ' rules (specs), the 5-axis mesh factory (mesh), its RNG state accounted (memory) and the'
+       ' scan and remat implementations as one program (program)'
+       for part in ('init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'localize')},
+    ('lm', 'checkpoints'): 'checkpoints in four directions: the classifier and encoder pairs run them',
+    ('lm', 'resume'): 'resume across sides: the classifier and encoder pairs run it',
     ('decoder_11_composite_accum', 'grads'):
         "one step's gradients (another program to compile per side): the train part compares ten"
         " steps of them bit for bit through the optimizer; the other families' grads parts run",
