@@ -105,8 +105,11 @@ def decode(model_cfg: ModelConfig, variables, prompt_BP, steps: int, key, temper
   tokens, logits = [], []
   for step in range(steps):
     if step:
-      logits_BLV, cache = extend(model_cfg, variables, cache, tokens[-1][:, None])
-    token_B, logits_BV = sample(logits_BLV, key, step, temperature)
+      fed_B1 = jax.block_until_ready(tokens[-1][:, None])
+      logits_BLV, cache = jax.block_until_ready(extend(model_cfg, variables, cache, fed_B1))
+    # One program at a time: on a mesh of CPU devices, two programs with collectives in flight
+    # can each hold some devices' threads waiting for the others (XLA aborts after 40 s).
+    token_B, logits_BV = jax.block_until_ready(sample(logits_BLV, key, step, temperature))
     tokens.append(token_B)
     logits.append(logits_BV)
   return jnp.stack(tokens, axis=1), jnp.stack(logits, axis=1), paths.flatten({'cache': cache})

@@ -198,8 +198,10 @@ def decode(model: LanguageModel, prompt, steps: int, key, temperature: float):
   tokens, drawn_from = [], []
   for step in range(steps):
     if step:
-      logits = decode_step(model, tokens[-1])
-    tokens.append(sample(logits, key, step, temperature))
+      logits = jax.block_until_ready(decode_step(model, tokens[-1]))
+    # One program at a time: on a mesh of CPU devices, two programs with collectives in flight
+    # can each hold some devices' threads waiting for the others (XLA aborts after 40 s).
+    tokens.append(jax.block_until_ready(sample(logits, key, step, temperature)))
     drawn_from.append(logits)
   tokens = jnp.stack(tokens, axis=1) if steps else jnp.zeros((batch, 0), jnp.int32)
   drawn_from = (jnp.stack(drawn_from, axis=1) if steps
