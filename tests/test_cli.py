@@ -383,6 +383,7 @@ def test_a_pair_file_imports_its_sibling_modules_as_under_pytest(package, tmp_pa
   assert sys.path[0] == str(tmp_path)
 
 
+@pytest.mark.exhaustive  # the CLI end to end (a fresh compile of the decoder's steps): the exhaustive tier
 def test_compare_without_the_program_check_says_not_compared(capsys, tmp_path):
   """`--no-program-check`: the numbers and memory are compared, the programs are not."""
   report = tmp_path / 'report.json'

@@ -18,7 +18,7 @@ refuse the pair):
   0.1, full rematerialisation, float32 weights, logits through
   logits_dense (and eval between train steps, which the exhaustive tier
   runs). The core tier keeps only its side-by-side run on one device, with
-  its loss record, memory and programs, and its spec tables
+  its loss record and programs, and its spec tables
   (CORE_SCENARIO_TESTS); its battery and the rest are the exhaustive
   tier's, and it trains on no mesh by default (tests/runs.py).
 
@@ -69,10 +69,10 @@ CORE_SCENARIOS = ('11_composite_accum', '12_composite_fp8')
 # Core scenarios of which the core tier keeps only some tests (by test function), with why.
 CORE_SCENARIO_TESTS = {
     '12_composite_fp8': (
-        ('test_scenario_trains_bit_identically', 'test_memory_equal_on_one_device',
-         'test_program_identical_on_one_device', 'test_scenario_specs_agree'),
-        "its side-by-side run (one compile of each side's step) with its loss record, memory and"
-        ' programs, and its spec tables: they fail on fp8 state that a step does not update (and on'
+        ('test_scenario_trains_bit_identically', 'test_program_identical_on_one_device',
+         'test_scenario_specs_agree'),
+        "its side-by-side run (one compile of each side's step) with its loss record, its programs"
+        ' and its spec tables: they fail on fp8 state that a step does not update (and on'
         ' dropout keys, step counter and remat policy bugs); 11_composite_accum runs the battery,'
         " the mesh, logits and eval, and the core tier's time has no room for a second set",
     ),
