@@ -147,3 +147,10 @@ def test_docs_make_commands_name_makefile_targets(path):
       assert named, f'{path.name}:{line}: {command!r} names no target'
       unknown = [w for w in named if w not in targets]
       assert not unknown, f'{path.name}:{line}: {command!r}: no Makefile target {unknown}; targets: {sorted(targets)}'
+
+
+def test_the_plugin_page_shows_the_language_models_glue_as_it_is():
+  """docs/plugin.md copies the worked example's glue: it must be the file's, verbatim."""
+  source = (REPO / 'tests' / 'test_family_lm.py').read_text()
+  glue = source.split('# --- glue ---\n', 1)[1].split('# --- end of glue ---', 1)[0].strip()
+  assert glue in (REPO / 'docs' / 'plugin.md').read_text()
