@@ -3,8 +3,8 @@
 Installed as a `pytest11` entry point, so it is active wherever this
 package is installed. Declare a pair at module level of a test file:
 
-    from parity.pairs.adapter import Pair
-    classifier = Pair('classifier', make_sides, batch)
+    import parity
+    classifier = parity.Pair('classifier', make_sides, batch)
 
 and the module gets a test class `classifier` with one test per part of the
 battery (parity/battery/checks.py): structure, logical specs, each side's own
