@@ -507,4 +507,5 @@ def test_compare_decodes_after_training_and_reports_it(argv, tmp_path, capsys):
   assert 'decoding: 4 tokens, their logits and cache' in out
   decode = json.loads(report.read_text())['decode']
   assert decode['bitwise_equal'] is True and decode['steps'] == 4 and decode['first_differing_step'] is None
-  assert set(decode['per_token_s']) == {'linen', 'nnx'} and all(v > 0 for v in decode['per_token_s'].values())
+  assert set(decode['per_token_s']) == {'linen', 'nnx'}
+  assert all(isinstance(v, float) for v in (*decode['per_token_s'].values(), *decode['prefill_s'].values()))

@@ -340,7 +340,7 @@ def test_a_process_killed_while_saving_leaves_no_partial_checkpoint(tmp_path):
 JOIN_A_JAX_RUN = (
     'import os\n'
     'os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"\n'
-    'from parity import distributed\n'
+    'from parity.procs import distributed\n'
     'assert distributed.initialize_from_env()\n'
 )
 
