@@ -115,3 +115,10 @@ def map_paths(
       )
     out[new] = leaf
   return out
+
+
+def data_bytes(x: Any) -> int:
+  """The bytes of an array's data, from its shape and dtype (a typed key array: its key data)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+  return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize

@@ -41,11 +41,10 @@ from parity.compare import localize
 from parity.compare import scopes
 
 
-def _data_bytes(x: Any) -> int:
-  """The bytes of an array's data (a typed key array: its key data)."""
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
-  return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+def _decoded(tokens, logits, cache, rename=lambda path: path) -> dict[str, Any]:
+  """A `decode_fn`'s result as the decode part takes it: the cache under `cache/`, by Linen path."""
+  return {'tokens': tokens, 'logits': logits,
+          'cache': {f'cache/{rename(p)}': x for p, x in paths.flatten(cache).items()}}
 
 
 def _replicated(mesh, tree):
@@ -154,6 +153,13 @@ class _Stock:
   def argument_names(self, lowered, state, batch, dropout_base) -> list[str]:
     return adapter.step_argument_names(lowered, state, batch, self._checkpoint_leaves)
 
+  def eval_outputs(self, state, batch) -> Any:
+    """The side's `forward`: the model's eval-mode outputs (None: no `forward` given)."""
+    if self._forward is None:
+      return None
+    with self._context():
+      return self._forward(state, batch)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StockLinen(_Stock):
@@ -220,20 +226,12 @@ class StockLinen(_Stock):
   def _forward(self):
     return None if self.forward is None else self._jit(self.forward, state_out=False)
 
-  def eval_outputs(self, state, batch) -> Any:
-    """`forward(state, batch)`, the model's eval-mode outputs (None: no `forward` given)."""
-    if self._forward is None:
-      return None
-    with self._context():
-      return self._forward(state, batch)
-
   def decode(self, state, prompt, steps, key, temperature) -> dict[str, Any] | None:
     """`decode_fn`'s tokens, logits and cache (under `cache/`); None: no `decode_fn` given."""
     if self.decode_fn is None:
       return None
     with self._context():
-      tokens, logits, cache = self.decode_fn(state, prompt, steps, key, temperature)
-    return {'tokens': tokens, 'logits': logits, 'cache': {f'cache/{p}': x for p, x in paths.flatten(cache).items()}}
+      return _decoded(*self.decode_fn(state, prompt, steps, key, temperature))
 
   @functools.cached_property
   def _value_and_grads(self):
@@ -445,7 +443,7 @@ class StockNnx(_Stock):
     """What the `nnx_only` state adds to the train step: its leaves, by path, and their bytes."""
     flat = paths.flatten(self.template)
     leaves = {p: flat[p] for p in sorted(self._nnx_only_paths)}
-    return {'paths': list(leaves), 'bytes': sum(_data_bytes(x) for x in leaves.values())}
+    return {'paths': list(leaves), 'bytes': sum(paths.data_bytes(x) for x in leaves.values())}
 
   def nnx_only_placement(self, state) -> list[str]:
     """Each `nnx_only` leaf of a placed state not where the side's shardings put it."""
@@ -479,22 +477,13 @@ class StockNnx(_Stock):
 
     return self._jit(fn, state_out=False)
 
-  def eval_outputs(self, state, batch) -> Any:
-    """`forward(model, batch)`, the model's eval-mode outputs (None: no `forward` given)."""
-    if self._forward is None:
-      return None
-    with self._context():
-      return self._forward(state, batch)
-
   def decode(self, state, prompt, steps, key, temperature) -> dict[str, Any] | None:
     """`decode_fn`'s tokens, logits and cache (paths renamed to Linen's, under `cache/`)."""
     if self.decode_fn is None:
       return None
     with self._context(), compat.eager_sharding_off():
       model = self._merge(state)[0]
-      tokens, logits, cache = self.decode_fn(model, prompt, steps, key, temperature)
-    return {'tokens': tokens, 'logits': logits,
-            'cache': {f'cache/{self.renames.to_linen(p)}': x for p, x in paths.flatten(cache).items()}}
+      return _decoded(*self.decode_fn(model, prompt, steps, key, temperature), self.renames.to_linen)
 
   @functools.cached_property
   def _value_and_grads(self):

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from parity.core import rng
+from parity.core import paths, rng
 from parity.pairs import adapter
 from parity.core import bitwise
 from parity.procs import distributed
@@ -468,8 +468,7 @@ def _output_entry_bytes(compiled, output_bytes: int) -> int:
   data = 0
   for x, sharding in zip(leaves, shardings):
     shape = sharding.shard_shape(x.shape) if len(shardings) == len(leaves) else x.shape
-    itemsize = 8 if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.dtype(x.dtype).itemsize
-    data += int(np.prod(shape)) * itemsize
+    data += paths.data_bytes(jax.ShapeDtypeStruct(shape, x.dtype))
   extra = output_bytes - data
   return extra // len(leaves) if leaves and extra >= 0 and extra % len(leaves) == 0 else 0
 
