@@ -39,6 +39,7 @@ from models.linen import train as linen_train
 from models.nnx import decode as nnx_decode
 from models.nnx import train as nnx_train
 from parity.pairs import adapter
+from parity.compare import decode_localize
 from parity.compare import localize
 from parity.compare import programs
 
@@ -276,6 +277,12 @@ class LinenSide(_Placement):
           self.model_cfg, linen_train.model_variables(state), prompt, steps, key, temperature)
     return {'tokens': tokens, 'logits': logits, 'cache': bridge_decode.linen_cache(cache)}
 
+  def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe]:
+    """`decode`'s module calls, run eagerly (the decode localizer)."""
+    with self.context():
+      return decode_localize.linen_decode_calls(lambda: linen_decode.decode(
+          self.model_cfg, linen_train.model_variables(state), prompt, steps, key, temperature))
+
   def forward(self, state, batch, dropout_key):
     with self.context():
       return _linen_forward(self.model_cfg, linen_train.model_variables(state), batch, dropout_key)
@@ -396,6 +403,14 @@ class NnxSide(_Placement):
       model = nnx.merge(self.graphdef, state)[0]
       tokens, logits, cache = nnx_decode.decode(self.model_cfg, model, prompt, steps, key, temperature)
     return {'tokens': tokens, 'logits': logits, 'cache': bridge_decode.nnx_cache(cache)}
+
+  def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe]:
+    """`decode`'s module calls, run eagerly and named as Linen's (the decode localizer)."""
+    with self.context():
+      return decode_localize.nnx_decode_calls(
+          nnx.merge(self.graphdef, state)[0],
+          lambda model: nnx_decode.decode(self.model_cfg, model, prompt, steps, key, temperature),
+          bridge_stock.Renames().to_linen, _linen_dropout_call)
 
   def forward(self, state, batch, dropout_key):
     with self.context():

@@ -41,6 +41,7 @@ lm = parity.Pair('lm', make_sides, functools.partial(lm_batch, CFG), known_diffe
 import dataclasses  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -109,21 +110,45 @@ def test_stock_dropout_without_linens_keys_fails_naming_both_key_schemes():
   assert "stock Linen draws make_rng('dropout')" in message and "dropout_keys='linen'" in message, message
 
 
-@pytest.mark.exhaustive
-@pytest.mark.xdist_group('parity-lm')
-def test_an_nnx_cache_index_off_by_one_fails_the_decode_part_naming_the_step(monkeypatch):
-  """Each NNX attention's cache starts one slot in: the decode part fails from the first step."""
-  from parity.battery import checks
+def _skip_slot(at: int):
+  """Each NNX attention's cache index jumps one slot when it reaches `at` (from the start: 0)."""
+  init_cache, call = nnx.MultiHeadAttention.init_cache, nnx.MultiHeadAttention.__call__
 
-  init_cache = nnx.MultiHeadAttention.init_cache
-
-  def off_by_one(self, *args, **kwargs):
+  def init_off_by_one(self, *args, **kwargs):
     init_cache(self, *args, **kwargs)
     self.cache_index[...] = self.cache_index[...] + 1
 
-  monkeypatch.setattr(nnx.MultiHeadAttention, 'init_cache', off_by_one)
-  pair = dataclasses.replace(lm, name='cache_off_by_one', parts=('decode',))
-  with pytest.raises(AssertionError) as failure:
-    checks.check_decode(pair, 'one_device')
+  def call_skipping(self, *args, **kwargs):
+    if self.decode:
+      index = self.cache_index[...]
+      self.cache_index[...] = jnp.where(index == at, index + 1, index)
+    return call(self, *args, **kwargs)
+
+  return ('init_cache', init_off_by_one) if at == 0 else ('__call__', call_skipping)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group('parity-lm')
+@pytest.mark.parametrize('at,step,where', [
+    (0, 0, 'in model call 0 of 11: the prefill (model call 0 of its 4)'),  # prompt of 4, 8 steps
+    (6, 3, 'in model call 6 of 11: decode step 3 of 8 (it feeds token 2)'),
+])
+def test_an_nnx_cache_index_off_by_one_fails_the_decode_part_naming_the_module_and_step(monkeypatch, at, step, where):
+  """The NNX attentions' cache index skips a slot (from the start, or mid-decode): the decode
+  part fails from the step whose logits it changes, and the decode localizer names the first
+  attention module and the model call (prefill or decode step) where it first differs."""
+  from parity.battery import checks
+
+  monkeypatch.setattr(nnx.MultiHeadAttention, *_skip_slot(at))
+  pair = dataclasses.replace(lm, name=f'cache_skips_slot_{at}', parts=('decode',))
+  jax.clear_caches()  # the decode steps are jitted at module level: traced again with the bug
+  try:
+    with pytest.raises(AssertionError) as failure:
+      checks.check_decode(pair, 'one_device')
+  finally:
+    jax.clear_caches()  # and without it, for the tests after this one
   message = str(failure.value)
-  assert 'first differing decode step: 0 of 8' in message, message
+  assert f'first differing decode step: {step} of 8' in message, message
+  assert ('decode localizer: first differs inside module DecoderBlock_0/MultiHeadDotProductAttention_0,'
+          f' outside its submodules (the input of DecoderBlock_0/MultiHeadDotProductAttention_0/out'
+          f' differs), {where}') in message, message

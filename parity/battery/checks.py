@@ -844,6 +844,16 @@ def check_substitution(pair: adapter.Pair) -> list[str]:
   return lines
 
 
+def _decode_localized(pair: adapter.Pair, sides, states, prompt, steps: int, key, temperature) -> list[str]:
+  """The decode localizer's finding, as lines for a failure message (parity.compare.decode_localize)."""
+  from parity.compare import decode_localize
+
+  if not all(callable(getattr(s, 'decode_calls', None)) for s in sides):
+    return ['decode localizer: not run (a side gives no `decode_calls`)']
+  calls = [side.decode_calls(state, prompt, steps, key, temperature) for side, state in zip(sides, states)]
+  return decode_localize.localize_decode(*calls, steps).lines()
+
+
 def check_decode(pair: adapter.Pair, placement: str) -> list[str]:
   """Decoding with a KV cache from one state (the Linen init, carried to NNX), on one device
   or a mesh: tokens, every step's logits and the final cache, bit for bit, at each temperature."""
@@ -873,9 +883,13 @@ def check_decode(pair: adapter.Pair, placement: str) -> list[str]:
         same = [bitwise.bitwise_equal(a[:, i], b[:, i]) for i in range(a.shape[1])]
         if not all(same):
           first = same.index(False)
-          compare(pair, 'decode', {what: a}, {what: b},
-                  f'decoded {what} ({"greedy" if temperature == 0 else f"temperature {temperature}"},'
-                  f' {placement}; first differing decode step: {first} of {spec.steps})')
+          try:
+            compare(pair, 'decode', {what: a}, {what: b},
+                    f'decoded {what} ({"greedy" if temperature == 0 else f"temperature {temperature}"},'
+                    f' {placement}; first differing decode step: {first} of {spec.steps})')
+          except AssertionError as e:
+            located = _decode_localized(pair, (linen, nnx_side), states, prompt, spec.steps, key, temperature)
+            raise AssertionError('\n  '.join([str(e)] + located)) from None
     found = compare(pair, 'decode', {'tokens': out[0]['tokens'], 'logits': out[0]['logits'], **out[0]['cache']},
                     {'tokens': out[1]['tokens'], 'logits': out[1]['logits'], **out[1]['cache']},
                     f'decoded tokens, logits and final cache ({"greedy" if temperature == 0 else f"temperature {temperature}"}, {placement})')

@@ -346,7 +346,8 @@ def _linen_intercept(recorder: _Recorder):
   cannot leave it (their paths go to `unrecorded`)."""
 
   def interceptor(next_fun, args, kwargs, context):
-    if context.method_name != '__call__':
+    # `init` is not the computation compared (a decode's cache is made by one, as flax does).
+    if context.method_name != '__call__' or context.module.is_initializing():
       return next_fun(*args, **kwargs)
     return recorder.call('/'.join(context.module.path), args, lambda: next_fun(*args, **kwargs))
 

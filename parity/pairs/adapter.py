@@ -79,6 +79,10 @@ class Side(Protocol):
     `{'tokens': int[B, steps], 'logits': [B, steps, V] (what each token was drawn from),
     'cache': {path in the Linen layout: array}}`; temperature 0 is greedy."""
 
+  def decode_calls(self, state: Any, prompt: jax.Array, steps: int, key: jax.Array, temperature: float) -> Any:
+    """Optional (the decode localizer): `decode`'s module calls, recorded as it runs eagerly, one
+    Probe per model call (parity.compare.decode_localize)."""
+
   def value_and_grads(self, state: Any, batch: Any, dropout_key: jax.Array) -> tuple[Any, Flat]:
     """(loss or (loss, aux), `{checkpoint path of a parameter: gradient}`) of one train-mode pass."""
 
@@ -339,7 +343,7 @@ def side_members() -> list[str]:
 # Only the localizer calls `probe`: a side without it runs every other part (the
 # localize part fails naming it, and failures carry no localizer finding). Without
 # `eval_outputs` the eval part compares the metrics alone, and says so.
-OPTIONAL_MEMBERS = ('probe', 'eval_outputs', 'decode')
+OPTIONAL_MEMBERS = ('probe', 'eval_outputs', 'decode', 'decode_calls')
 
 
 def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side, Side]:

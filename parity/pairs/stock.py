@@ -37,6 +37,7 @@ from parity.core.state import NNX_STEP_DTYPE
 from parity.core import compat
 from parity.pairs import adapter
 from parity.pairs import dropout
+from parity.compare import decode_localize
 from parity.compare import localize
 from parity.compare import scopes
 
@@ -232,6 +233,13 @@ class StockLinen(_Stock):
       return None
     with self._context():
       return _decoded(*self.decode_fn(state, prompt, steps, key, temperature))
+
+  def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe] | None:
+    """The module calls of `decode`, run eagerly, one probe per model call (the decode localizer)."""
+    if self.decode_fn is None:
+      return None
+    with self._context():
+      return decode_localize.linen_decode_calls(lambda: self.decode_fn(state, prompt, steps, key, temperature))
 
   @functools.cached_property
   def _value_and_grads(self):
@@ -484,6 +492,17 @@ class StockNnx(_Stock):
     with self._context(), compat.eager_sharding_off():
       model = self._merge(state)[0]
       return _decoded(*self.decode_fn(model, prompt, steps, key, temperature), self.renames.to_linen)
+
+  def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe] | None:
+    """The module calls of `decode`, run eagerly and named as Linen's, one probe per model call."""
+    if self.decode_fn is None:
+      return None
+    calls = dict(self.call_keys)
+    with self._context(), compat.eager_sharding_off():
+      model = self._merge(state)[0]
+      return decode_localize.nnx_decode_calls(
+          model, lambda m: self.decode_fn(m, prompt, steps, key, temperature), self.renames.to_linen,
+          lambda key: calls.get(key, key))
 
   @functools.cached_property
   def _value_and_grads(self):
