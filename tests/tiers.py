@@ -82,6 +82,9 @@ CORE_MESHES = ('data=2,fsdp=2,tensor=2',)
 # Tests the plugin generates, by pair (its name) and part (None: every part), with why the
 # core tier can leave them out.
 EXHAUSTIVE_PARTS = {
+    ('linen_to_nnx', None):
+        "the bridge migration's two ends, a plain pair as the other families are: the core tier"
+        ' proves the half-migrated steps, which the kit sees through the wrappers for',
     ('classifier_without_batch_norm', None):
         "batch norm's program isolated: the classifier pair has batch norm and its declared difference",
     ('encoder', 'mesh'):

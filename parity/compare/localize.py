@@ -39,6 +39,7 @@ from flax.core import tracers
 from parity.core import paths
 from parity.pairs import adapter
 from parity.core import bitwise
+from parity.compare import bridged
 from parity.compare import scopes
 from parity.core import compat
 
@@ -339,19 +340,25 @@ def _flat_outputs(tree: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 
+def _on_call(recorder: _Recorder) -> bridged.OnCall:
+  """A module call recorded by `recorder`; a Linen module's `init` is not (it is not the
+  computation compared: a decode's cache is made by one, as flax does)."""
+
+  def on_call(path, module, args, run):
+    if isinstance(module, nn.Module) and module.is_initializing():
+      return run()
+    return recorder.call(path, args, run)
+
+  return on_call
+
+
 @contextlib.contextmanager
 def _linen_intercept(recorder: _Recorder):
-  """Records each module's `__call__`, except inside a lifted transform's body (`nn.scan`,
-  `nn.remat`, ...) that the recorder has not opened: its values are the body's tracers, which
-  cannot leave it (their paths go to `unrecorded`)."""
-
-  def interceptor(next_fun, args, kwargs, context):
-    # `init` is not the computation compared (a decode's cache is made by one, as flax does).
-    if context.method_name != '__call__' or context.module.is_initializing():
-      return next_fun(*args, **kwargs)
-    return recorder.call('/'.join(context.module.path), args, lambda: next_fun(*args, **kwargs))
-
-  with nn.intercept_methods(interceptor), recorder.opened():
+  """Records each module's `__call__` (through `nnx.bridge` wrappers: parity/compare/bridged.py),
+  except inside a lifted transform's body (`nn.scan`, `nn.remat`, ...) that the recorder has
+  not opened: its values are the body's tracers, which cannot leave it (their paths go to
+  `unrecorded`)."""
+  with bridged.linen_calls(_on_call(recorder)), recorder.opened():
     yield
 
 
@@ -403,27 +410,12 @@ def linen_probe(loss: Callable, has_aux: bool, state: Any, batch: Any, dropout_k
 @contextlib.contextmanager
 def _nnx_intercept(model: nnx.Module, recorder: _Recorder, rename: Callable[[str], str]):
   """Each module class's `__call__` wrapped (restored on exit); outermost call per instance
-  recorded, except inside a transform's body (`nnx.remat`, `nnx.scan`, ...) that the recorder
-  has not opened, whose module copies (named by their originals' tags,
-  parity/compare/scopes.py) compute the body's tracers: their paths go to `unrecorded`, as on
-  the Linen side."""
+  recorded (through `nnx.bridge` wrappers), except inside a transform's body (`nnx.remat`,
+  `nnx.scan`, ...) that the recorder has not opened, whose module copies (named by their
+  originals' tags, parity/compare/scopes.py) compute the body's tracers: their paths go to
+  `unrecorded`, as on the Linen side."""
   scopes.tag_paths(model, rename)
-  active: set[int] = set()
-
-  def wrap(original):
-    def __call__(self, *args, **kwargs):
-      path = scopes.tagged_path(self)
-      if id(self) in active or path is None:
-        return original(self, *args, **kwargs)
-      active.add(id(self))
-      try:
-        return recorder.call(path, args, lambda: original(self, *args, **kwargs))
-      finally:
-        active.discard(id(self))
-
-    return __call__
-
-  with scopes.patched_module_calls(model, wrap), recorder.opened():
+  with scopes.patched_module_calls(model, bridged.NnxCalls(_on_call(recorder))), recorder.opened():
     yield
 
 

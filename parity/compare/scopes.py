@@ -22,10 +22,12 @@ its original's tag, and is named as it is.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator
 
 import jax
 from flax import nnx
+from flax.nnx import bridge as nnx_bridge
 
 
 def call_owner(module: nnx.Module) -> type | None:
@@ -60,20 +62,30 @@ def patched_module_calls(sample: nnx.Module, wrap: Callable[[Callable], Callable
 PATH_ATTRIBUTE = '_parity_module_path'
 
 
-def tag_paths(root: nnx.Module, rename: Callable[[str], str]) -> dict[int, str]:
+def tag_paths(root: nnx.Module, rename: Callable[[str], str], prefix: str = '') -> dict[int, str]:
   """Tags each module of `root`'s graph with its path renamed by `rename` ('' for the root;
-  a module reachable by two paths keeps the first); returns them by `id`."""
+  a module reachable by two paths keeps the first), after `prefix` (the path of the module
+  that holds `root`, where it is not the model); returns them by `id`."""
   paths: dict[int, str] = {}
   for path, node in nnx.iter_graph(root):
     if isinstance(node, nnx.Module) and id(node) not in paths:
-      paths[id(node)] = rename('/'.join(str(p) for p in path)) if path else ''
-      object.__setattr__(node, PATH_ATTRIBUTE, paths[id(node)])
+      own = rename('/'.join(str(p) for p in path)) if path else ''
+      paths[id(node)] = '/'.join(p for p in (prefix, own) if p)
+      if isinstance(node, nnx_bridge.ToNNX):  # it reads every attribute as a Linen variable
+        _UNTAGGABLE[node] = paths[id(node)]
+      else:
+        object.__setattr__(node, PATH_ATTRIBUTE, paths[id(node)])
   return paths
+
+
+# Modules that cannot hold the tag, by instance (a transform's copy of one is untagged).
+_UNTAGGABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def tagged_path(module: nnx.Module) -> str | None:
   """The path `tag_paths` gave `module` or the original it was copied from (None: untagged)."""
-  return getattr(module, PATH_ATTRIBUTE, None)
+  path = getattr(module, PATH_ATTRIBUTE, None)
+  return _UNTAGGABLE.get(module) if path is None else path
 
 
 @contextlib.contextmanager

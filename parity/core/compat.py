@@ -8,7 +8,7 @@ a version.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 from flax import nnx
@@ -206,3 +206,22 @@ def eager_sharding_off() -> Iterator[None]:
     return
   with use(False):
     yield
+
+
+@contextlib.contextmanager
+def to_linen_module_hook(hook: Callable[[Any, Callable], Callable]) -> Iterator[None]:
+  """While active, the NNX module an `nnx.bridge.ToLinen` builds at each call is called through
+  `hook(module, method) -> method` (flax 0.12 gets that method from one private function of
+  its bridge, `wrappers._get_module_method`, in `ToLinen.__call__`'s init and apply paths)."""
+  from flax.nnx.bridge import wrappers
+
+  original = wrappers._get_module_method
+
+  def hooked(module, nnx_method):
+    return hook(module, original(module, nnx_method))
+
+  wrappers._get_module_method = hooked
+  try:
+    yield
+  finally:
+    wrappers._get_module_method = original

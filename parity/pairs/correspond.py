@@ -24,16 +24,15 @@ ends in one `CorrespondenceError` listing each with its candidates.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-from typing import Any, Iterator
+from typing import Any
 
 import flax.linen as nn
 import jax
 from flax import nnx
 
 from parity.core import compat, paths
-from parity.compare import scopes
+from parity.compare import bridged, scopes
 from parity.pairs.stock_layout import Renames
 
 ROOT = ''
@@ -115,16 +114,15 @@ def _calls(order: list[tuple[str, type]], flat_params: dict[str, Any]) -> list[C
   return out
 
 
-@contextlib.contextmanager
-def _linen_calls(order: list[tuple[str, type]]) -> Iterator[None]:
-  def interceptor(next_fun, args, kwargs, context):
-    y = next_fun(*args, **kwargs)
-    if context.method_name == '__call__':
-      order.append(('/'.join(context.module.path), type(context.module)))
+def _recorded(order: list[tuple[str, type]]) -> bridged.OnCall:
+  """Each module call appended to `order` as it returns (children before their parent)."""
+
+  def on_call(path, module, args, run):
+    y = run()
+    order.append((path, type(module)))
     return y
 
-  with nn.intercept_methods(interceptor):
-    yield
+  return on_call
 
 
 def linen_calls(linen_side: Any, state: Any, batch: Any, key: Any) -> list[Call]:
@@ -133,7 +131,7 @@ def linen_calls(linen_side: Any, state: Any, batch: Any, key: Any) -> list[Call]
 
   def traced(state):
     del order[:]
-    with _linen_calls(order):
+    with bridged.linen_calls(_recorded(order)):
       return linen_side.loss(state.params, state, batch, key)
 
   jax.eval_shape(traced, state)
@@ -148,25 +146,8 @@ def nnx_calls(nnx_side: Any, state: Any, batch: Any, key: Any) -> list[Call]:
     with compat.eager_sharding_off():
       model, _ = nnx.merge(nnx_side.graphdef, state)
     scopes.tag_paths(model, lambda p: p)
-    active: set[int] = set()
-
-    def wrap(original):
-      def __call__(self, *args, **kwargs):
-        outermost = id(self) not in active
-        active.add(id(self))
-        try:
-          return original(self, *args, **kwargs)
-        finally:
-          if outermost:
-            active.discard(id(self))
-            path = scopes.tagged_path(self)
-            if path is not None:
-              order.append((path, type(self)))
-
-      return __call__
-
     del order[:]
-    with scopes.patched_module_calls(model, wrap):
+    with scopes.patched_module_calls(model, bridged.NnxCalls(_recorded(order))):
       return nnx_side.loss(model, batch, key)
 
   jax.eval_shape(traced, state)
