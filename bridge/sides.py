@@ -277,6 +277,11 @@ class LinenSide(_Placement):
           self.model_cfg, linen_train.model_variables(state), prompt, steps, key, temperature)
     return {'tokens': tokens, 'logits': logits, 'cache': bridge_decode.linen_cache(cache)}
 
+  def lower_decode_step(self, state, batch: int, max_len: int) -> jax.stages.Lowered:
+    """One decoding step's program (models/linen/decode.py `lower_step`)."""
+    with self.context():
+      return linen_decode.lower_step(self.model_cfg, linen_train.model_variables(state), batch, max_len)
+
   def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe]:
     """`decode`'s module calls, run eagerly (the decode localizer)."""
     with self.context():
@@ -403,6 +408,11 @@ class NnxSide(_Placement):
       model = nnx.merge(self.graphdef, state)[0]
       tokens, logits, cache = nnx_decode.decode(self.model_cfg, model, prompt, steps, key, temperature)
     return {'tokens': tokens, 'logits': logits, 'cache': bridge_decode.nnx_cache(cache)}
+
+  def lower_decode_step(self, state, batch: int, max_len: int) -> jax.stages.Lowered:
+    """One decoding step's program (models/nnx/decode.py `lower_step`)."""
+    with self.context():
+      return nnx_decode.lower_step(nnx.merge(self.graphdef, state)[0], batch, max_len)
 
   def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe]:
     """`decode`'s module calls, run eagerly and named as Linen's (the decode localizer)."""

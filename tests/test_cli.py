@@ -509,3 +509,10 @@ def test_compare_decodes_after_training_and_reports_it(argv, tmp_path, capsys):
   assert decode['bitwise_equal'] is True and decode['steps'] == 4 and decode['first_differing_step'] is None
   assert set(decode['per_token_s']) == {'linen', 'nnx'}
   assert all(isinstance(v, float) for v in (*decode['per_token_s'].values(), *decode['prefill_s'].values()))
+  if not argv:  # the reference decoder's sides lower one decoding step: its memory and program compared
+    assert 'Memory (decode step)' in out and 'Decode-step program' in out
+    assert decode['same_program'] is True and decode['program']['identical'] is True, decode['program']
+    assert decode['memory']['linen']['argument_bytes'] > 0
+    assert decode['memory']['linen'] == decode['memory']['nnx'], decode['memory']
+  else:  # a stock pair's decode_fn is the user's loop: nothing to lower, and the report says so
+    assert decode['program'] is None and 'not compared (a side gives no lower_decode_step)' in out

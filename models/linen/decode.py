@@ -69,6 +69,12 @@ def extend(model_cfg: ModelConfig, variables, cache, tokens_BL):
   return logits_BLV, mutated['cache']
 
 
+def lower_step(model_cfg: ModelConfig, variables, batch: int, max_len: int) -> jax.stages.Lowered:
+  """One decoding step's program (a token a row, on a cache of `max_len`), as `decode` runs it:
+  for its memory analysis and program comparison (`parity compare --decode`)."""
+  return extend.lower(model_cfg, variables, init_cache(model_cfg, batch, max_len), jnp.zeros((batch, 1), jnp.int32))
+
+
 def prefill(model_cfg: ModelConfig, variables, prompt_BP, max_len: int):
   """(the prompt's logits at every position, the cache they wrote) in one call."""
   cache = init_cache(model_cfg, prompt_BP.shape[0], max_len)

@@ -86,6 +86,13 @@ def extend(graphdef, state, cache, tokens_BL):
   return logits_BLV, nnx.state(model, nnx.Cache)
 
 
+def lower_step(model: Transformer, batch: int, max_len: int) -> jax.stages.Lowered:
+  """One decoding step's program (a token a row, on a cache of `max_len`), as `decode` runs it:
+  for its memory analysis and program comparison (`parity compare --decode`)."""
+  graphdef, state, cache = init_cache(model, batch, max_len)
+  return extend.lower(graphdef, state, cache, jnp.zeros((batch, 1), jnp.int32))
+
+
 def prefill(model_cfg: ModelConfig, model: Transformer, prompt_BP, max_len: int):
   """(the prompt's logits at every position, the cache they wrote) in one call."""
   _check_config(model_cfg, model)

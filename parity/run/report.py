@@ -192,6 +192,14 @@ class Report:
       rows.append((f'Decode: s/token (of {d.steps})', _num(d.per_token_s('linen')), _num(d.per_token_s('nnx')),
                    _diff(d.per_token_s('linen'), d.per_token_s('nnx'), LOWER_IS_BETTER)))
       rows.append(('Decoding, bit for bit', '', '', d.verdict()))
+      if d.memory.get('linen') and d.memory.get('nnx'):
+        for field, label in (('argument_bytes', 'arguments'), ('temp_bytes', 'temporaries'),
+                             ('peak_bytes', 'peak')):
+          a, b = d.memory['linen'].get(field), d.memory['nnx'].get(field)
+          rows.append((f'Decode-step memory: {label}', _bytes(a), _bytes(b),
+                       _diff(a, b, LOWER_IS_BETTER, lambda x: _bytes(int(x)))))
+      rows.append(('Memory (decode step)', '', '', d.memory_verdict()))
+      rows.append(('Decode-step program', '', '', d.program_verdict()))
     rows.append(('Memory (train step)', '', '', r.memory_verdict))
     rows.append(('Train-step program', '', '', r.program_verdict))
     if r.expected_difference is not None:
@@ -244,6 +252,13 @@ class Report:
     ]
     if r.flops is not None:
       notes.append(r.flops.summary())
+    if r.decode is not None:
+      notes.append(
+          'Decode: each side decodes from its trained state, greedy or sampled from one key; best'
+          ' of 3 per side, the order alternating, synchronised on the tokens; "prompt and 1 token"'
+          ' is a decode of one token, s/token is (all tokens - one token) / (tokens - 1). Its'
+          ' memory and program are one decoding step\'s (a token a row on the full cache), compiled'
+          ' on its own.')
     if r.linen.checkpoint_s:
       notes.append(
           'Checkpoint: Orbax save of both states (which side first alternating) after the'

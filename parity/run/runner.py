@@ -91,6 +91,32 @@ class DecodeRun:
   total_s: dict[str, float] = dataclasses.field(default_factory=dict)
   diffs: list[str] = dataclasses.field(default_factory=list)  # bitwise.compare_trees lines
   first_differing_step: int | None = None
+  # One decoding step's program (sides with `lower_decode_step`; else empty / None):
+  # XLA's memory analysis per side, and the canonical program diff.
+  memory: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+  program: programs.ProgramDiff | None = None
+
+  @property
+  def memory_drift(self) -> list[str]:
+    return memory_drift(self.memory['linen'], self.memory['nnx']) if self.memory else []
+
+  @property
+  def same_program(self) -> bool:
+    """The decoding step's memory equal to the byte and its program identical (or not compared)."""
+    return not self.memory_drift and (self.program is None or self.program.identical)
+
+  def memory_verdict(self) -> str:
+    if not self.memory:
+      return 'not compared (a side gives no lower_decode_step)'
+    if not self.memory['linen'] and not self.memory['nnx']:
+      return 'not measured (the backend has no memory analysis)'
+    drift = self.memory_drift
+    return 'equal to the byte' if not drift else 'differs (NNX ' + ', '.join(drift) + ')'
+
+  def program_verdict(self) -> str:
+    if self.program is None:
+      return 'not compared (a side gives no lower_decode_step)'
+    return self.program.summary()
 
   def per_token_s(self, side: str) -> float | None:
     """Seconds per token after the first: (all `steps` tokens - one token) / (steps - 1)."""
@@ -221,6 +247,8 @@ class CompareResult:
     programs differ but the arguments and outputs (the state) take the same
     bytes and only temporaries may differ (`LAYOUT_MOVE_MEMORY`).
     """
+    if self.decode is not None and not self.decode.same_program:
+      return False
     if self.expected_difference is None:
       return not self.memory_drift and (self.program_diff is None or self.program_diff.identical)
     if self.declared_program_difference is not None:
@@ -324,6 +352,7 @@ class CompareResult:
             **dataclasses.asdict(self.decode),
             'per_token_s': {name: self.decode.per_token_s(name) for name in SIDES},
             'bitwise_equal': not self.decode.diffs,
+            'same_program': self.decode.same_program,
         },
     }
 
@@ -798,6 +827,13 @@ def decode_sides(sides, states, prompt, steps: int, key, temperature: float) -> 
           break
   if run.diffs and run.first_differing_step is None:
     run.first_differing_step = steps - 1  # tokens and logits equal: the final cache differs
+  if all(callable(getattr(sides[name], 'lower_decode_step', None)) for name in SIDES):
+    batch, max_len = int(np.shape(prompt)[0]), run.prompt_len + steps
+    lowered = {name: sides[name].lower_decode_step(states[name], batch, max_len) for name in SIDES}
+    mesh = sides['linen'].mesh
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    run.memory = {name: memory_of(lowered[name].compile(), device) for name in SIDES}
+    run.program = programs.diff(*(lowered[name].as_text(debug_info=True) for name in SIDES))
   return run
 
 
