@@ -152,3 +152,27 @@ def test_an_nnx_cache_index_off_by_one_fails_the_decode_part_naming_the_module_a
   assert ('decode localizer: first differs inside module DecoderBlock_0/MultiHeadDotProductAttention_0,'
           f' outside its submodules (the input of DecoderBlock_0/MultiHeadDotProductAttention_0/out'
           f' differs), {where}') in message, message
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group('parity-lm')
+def test_a_cache_placed_otherwise_on_the_mesh_fails_the_decode_part():
+  """The same values, NNX's cache arrays moved to another sharding (batch over `tensor`): the
+  decode part fails on the mesh naming them."""
+  from parity.battery import checks
+
+  def decode_elsewhere(model, *args):
+    tokens, logits, cache = nnx_lm.decode(model, *args)
+    elsewhere = jax.sharding.NamedSharding(tokens.sharding.mesh, jax.sharding.PartitionSpec('tensor'))
+    return tokens, logits, {p: jax.device_put(x, elsewhere) if x.ndim else x for p, x in cache.items()}
+
+  def sides(mesh):
+    linen, nnx_side = make_sides(mesh)
+    return linen, dataclasses.replace(nnx_side, decode_fn=decode_elsewhere)
+
+  pair = dataclasses.replace(lm, name='cache_elsewhere', make_sides=sides, parts=('decode',))
+  with pytest.raises(AssertionError) as failure:
+    checks.check_decode(pair, 'data=4,tensor=2')
+  message = str(failure.value)
+  assert 'the decoded caches are placed otherwise on data=4,tensor=2 (4 of 6 arrays)' in message, message
+  assert ("cached_key: Linen ('data', None, 'tensor'), NNX ('tensor',)" in message), message

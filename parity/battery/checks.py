@@ -896,4 +896,21 @@ def check_decode(pair: adapter.Pair, placement: str) -> list[str]:
     lines += found
     lines.append(f'{"greedy" if temperature == 0 else f"temperature {temperature}"}, {placement}: {spec.steps}'
                  f' tokens, their logits and {len(out[0]["cache"])} cache arrays bit for bit')
+    if mesh_spec is not None:
+      lines.append(_cache_placed_alike(pair, out[0]['cache'], out[1]['cache'], placement))
   return lines
+
+
+def _cache_placed_alike(pair: adapter.Pair, linen: Mapping[str, Any], nnx_cache: Mapping[str, Any],
+                        placement: str) -> str:
+  """The final caches' arrays placed alike on the mesh (their annotations resolve to the same
+  shardings); the caches' paths and values are compared already."""
+  __tracebackhide__ = _battery_frames_hidden
+  placed = {p: (x.sharding, nnx_cache[p].sharding) for p, x in linen.items()
+            if p in nnx_cache and hasattr(x, 'sharding') and hasattr(nnx_cache[p], 'sharding')}
+  shown = lambda s: tuple(s.spec) if hasattr(s, 'spec') else s  # noqa: E731
+  bad = [f'{p}: Linen {shown(a)}, NNX {shown(b)}' for p, (a, b) in sorted(placed.items())
+         if not a.is_equivalent_to(b, np.ndim(linen[p]))]
+  assert not bad, (f'{pair.name}: the decoded caches are placed otherwise on {placement}'
+                   f' ({len(bad)} of {len(placed)} arrays):\n  ' + '\n  '.join(bad))
+  return f'{placement}: the {len(placed)} cache arrays placed alike (their shardings equivalent)'
