@@ -219,3 +219,36 @@ def test_decoded_logits_follow_the_forward_of_the_decoded_sequence():
   expected = np.asarray(forward[:, PROMPT_LEN - 1:length - 1].astype(jnp.float32))
   # bfloat16 logits of magnitude < 8: a few units in the last place.
   np.testing.assert_allclose(np.asarray(logits), expected, rtol=0, atol=0.05)
+
+
+def test_a_cache_bug_mid_decode_is_localised_to_its_attention_and_step(monkeypatch):
+  """The decode localizer on the reference decoder (unscanned, greedy, 4 tokens): run eagerly,
+  every model call agrees; with the NNX attention's cache index skipping a slot once it
+  reaches the prompt's end + 2, it names the first layer's attention and decode step 3."""
+  from models.nnx import layers as nnx_layers
+  from parity.compare import decode_localize
+
+  sides, states = _sides(None, scanned=False), _states(None, scanned=False)
+  prompt, key, steps = _models(None, scanned=False)[2], jax.random.PRNGKey(1), 4
+
+  def localized():
+    calls = [side.decode_calls(state, prompt, steps, key, 0.0) for side, state in zip(sides, states)]
+    return decode_localize.localize_decode(*calls, steps)
+
+  clean = localized()
+  assert clean.first() is None and clean.model_calls == (steps, steps), clean.lines()
+  assert clean.lines()[0].startswith('decode localizer: all 4 model calls of the decode'), clean.lines()
+
+  write = nnx_layers.Attention._write_cache
+
+  def skipping(self, k_BLKD, v_BLKD):
+    index = self.cache_index[...]
+    self.cache_index[...] = jnp.where(index == PROMPT_LEN + 2, index + 1, index)
+    return write(self, k_BLKD, v_BLKD)
+
+  monkeypatch.setattr(nnx_layers.Attention, '_write_cache', skipping)
+  broken = localized()
+  assert broken.first() == {'path': 'decoder/layers_0/self_attention', 'model_call': 3, 'step': 3}, broken.lines()
+  assert ('first differs inside module decoder/layers_0/self_attention, outside its submodules (the input'
+          ' of decoder/layers_0/self_attention/out differs), in model call 3 of 4: decode step 3 of 4'
+          ' (it feeds token 2)') in broken.lines()[0], broken.lines()
