@@ -13,7 +13,9 @@ framework's way round:
 
 Every part of the battery runs on each, memory and program included: the
 RNG stream a `ToNNX` keeps is NNX-only state, declared by default and
-accounted as any other.
+accounted as any other. The core tier runs the parts that cross the
+wrappers (structure, init, grads, checkpoints, memory, program, localize);
+the exhaustive tier the rest, the two ends and the planted bugs.
 
 The kit sees through the wrappers with no code from the user: the
 checkpoint layout (each wrapper keeps the wrapped module's variables under
@@ -210,6 +212,7 @@ linen_to_nnx = parity.Pair('linen_to_nnx', sides(False, False), functools.partia
 import pytest  # noqa: E402
 
 
+@pytest.mark.exhaustive  # a planted bug: the exhaustive tier's, as the other families'
 @pytest.mark.parametrize('pair,bridged_side', [(linen_to_half, 'nnx'), (half_to_nnx, 'linen')])
 def test_a_bug_inside_a_bridged_module_is_localised_to_it(pair, bridged_side):
   """tanh for gelu in layer 1's MLP, on the bridged side (inside its wrapper): the grads part

@@ -221,6 +221,7 @@ def test_decoded_logits_follow_the_forward_of_the_decoded_sequence():
   np.testing.assert_allclose(np.asarray(logits), expected, rtol=0, atol=0.05)
 
 
+@pytest.mark.exhaustive  # a planted bug (the localizer's run is eager: 37 s cold on 2 cores)
 def test_a_cache_bug_mid_decode_is_localised_to_its_attention_and_step(monkeypatch):
   """The decode localizer on the reference decoder (unscanned, greedy, 4 tokens): run eagerly,
   every model call agrees; with the NNX attention's cache index skipping a slot once it
