@@ -14,7 +14,7 @@ framework's way round:
 Every part of the battery runs on each, memory and program included: the
 RNG stream a `ToNNX` keeps is NNX-only state, declared by default and
 accounted as any other. The core tier runs the parts that cross the
-wrappers (structure, init, grads, checkpoints, memory, program, localize);
+wrappers (structure, init, grads, memory, program, localize);
 the exhaustive tier the rest, the two ends and the planted bugs.
 
 The kit sees through the wrappers with no code from the user: the

@@ -85,10 +85,11 @@ EXHAUSTIVE_PARTS = {
     ('linen_to_nnx', None):
         "the bridge migration's two ends, a plain pair as the other families are: the core tier"
         ' proves the half-migrated steps, which the kit sees through the wrappers for',
-    **{(pair, part): "a half-migrated step's training, eval, mesh, specs and resume: parts that"
-       ' cross no wrapper the others do not (the core tier runs those that do: the layout, the'
-       ' localizer, memory and program)'
-       for pair in ('linen_to_half', 'half_to_nnx') for part in ('train', 'eval', 'mesh', 'specs', 'resume')},
+    **{(pair, part): "a half-migrated step's training, eval, mesh, specs, checkpoints and resume:"
+       ' parts that cross no wrapper the others do not (the core tier runs those that do: the'
+       " layout, which init and grads carry the Linen state across, the localizer, memory and program)"
+       for pair in ('linen_to_half', 'half_to_nnx')
+       for part in ('train', 'eval', 'mesh', 'specs', 'checkpoints', 'resume')},
     ('classifier_without_batch_norm', None):
         "batch norm's program isolated: the classifier pair has batch norm and its declared difference",
     ('encoder', 'mesh'):

@@ -32,12 +32,12 @@ class _PerModelCall:
 
   def __init__(self, call_key: Callable[[str], str]):
     self.call_key = call_key
-    self.recorders: list[localize._Recorder] = []
+    self.recorders: list[localize.Recorder] = []
     self.depth = 0
 
   def call(self, path: str, args: tuple, run: Callable[[], Any]) -> Any:
     if self.depth == 0:
-      self.recorders.append(localize._Recorder(None, self.call_key))
+      self.recorders.append(localize.Recorder(None, self.call_key))
     self.depth += 1
     try:
       return self.recorders[-1].call(path, args, run)  # a call under a trace: unrecorded
@@ -49,7 +49,7 @@ class _PerModelCall:
     yield  # eager: transformed bodies run as Python, their calls recorded as any other
 
   def probes(self) -> list[adapter.Probe]:
-    return [adapter.Probe(order=list(r.order), inputs=dict(r.inputs), outputs=localize._flat_outputs(r.outputs),
+    return [adapter.Probe(order=list(r.order), inputs=dict(r.inputs), outputs=localize.flat_outputs(r.outputs),
                           cotangents={}, param_grads={}, unrecorded=r.unrecorded_calls())
             for r in self.recorders]
 
@@ -57,7 +57,7 @@ class _PerModelCall:
 def linen_decode_calls(decode: Callable[[], Any]) -> list[adapter.Probe]:
   """The module calls of `decode()` (a Linen side's decode, run eagerly), one probe per model call."""
   recorder = _PerModelCall(lambda key: key)
-  with jax.disable_jit(), localize._linen_intercept(recorder):
+  with jax.disable_jit(), localize.linen_intercept(recorder):
     decode()
   return recorder.probes()
 
@@ -68,7 +68,7 @@ def nnx_decode_calls(model: nnx.Module, decode: Callable[[nnx.Module], Any], ren
   `rename` (NNX path -> Linen's) and `call_key` (a repeated call's key -> Linen's), one
   probe per model call."""
   recorder = _PerModelCall(call_key)
-  with jax.disable_jit(), compat.eager_sharding_off(), localize._nnx_intercept(model, recorder, rename):
+  with jax.disable_jit(), compat.eager_sharding_off(), localize.nnx_intercept(model, recorder, rename):
     decode(model)
   return recorder.probes()
 

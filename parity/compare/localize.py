@@ -69,7 +69,7 @@ def _arrays(y: Any) -> Any:
 
 
 class _Frame:
-  """The calls recorded in one trace: the probe's own, or a transformed body's (`_Recorder.opened`)."""
+  """The calls recorded in one trace: the probe's own, or a transformed body's (`Recorder.opened`)."""
 
   def __init__(self, trace: Any, probes: dict[str, Any] | None, scan: bool = False):
     self.trace = trace
@@ -90,7 +90,7 @@ class _Bodies:
     self.count = 0
 
 
-class _Recorder:
+class Recorder:
   """Names each module call and adds its probe; collects outputs during one trace.
 
   `opened` (the localizer's own probes, `localize_step`): the bodies of `jax.lax.scan` and
@@ -321,7 +321,7 @@ def _zeros_like(shapes: dict[str, Any]) -> dict[str, Any]:
   }
 
 
-def _flat_outputs(tree: dict[str, Any]) -> dict[str, Any]:
+def flat_outputs(tree: dict[str, Any]) -> dict[str, Any]:
   """Each call's output leaves, `key:sub`; a call's only leaf by its key alone (a Linen
   scanned layer returns `(x, None)` where an NNX one returns `x`)."""
   out = {}
@@ -340,7 +340,7 @@ def _flat_outputs(tree: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 
-def _on_call(recorder: _Recorder) -> bridged.OnCall:
+def _on_call(recorder: Recorder) -> bridged.OnCall:
   """A module call recorded by `recorder`; a Linen module's `init` is not (it is not the
   computation compared: a decode's cache is made by one, as flax does)."""
 
@@ -353,7 +353,7 @@ def _on_call(recorder: _Recorder) -> bridged.OnCall:
 
 
 @contextlib.contextmanager
-def _linen_intercept(recorder: _Recorder):
+def linen_intercept(recorder: Recorder):
   """Records each module's `__call__` (through `nnx.bridge` wrappers: parity/compare/bridged.py),
   except inside a lifted transform's body (`nn.scan`, `nn.remat`, ...) that the recorder has
   not opened: its values are the body's tracers, which cannot leave it (their paths go to
@@ -363,7 +363,7 @@ def _linen_intercept(recorder: _Recorder):
 
 
 # Set by `layers_opened`: the probes record the module calls inside scanned and
-# rematerialised bodies (`_Recorder`), each layer of a stack by its index.
+# rematerialised bodies (`Recorder`), each layer of a stack by its index.
 _OPENED = [False]
 
 
@@ -386,15 +386,15 @@ def linen_probe(loss: Callable, has_aux: bool, state: Any, batch: Any, dropout_k
   bodies = _Bodies() if _OPENED[0] else None
 
   def traced(params, probes, state, batch, dropout_key):
-    recorder = _Recorder(probes, bodies=bodies)
+    recorder = Recorder(probes, bodies=bodies)
     recorder.name_params(params, lambda p: 'params/' + p)
-    with _linen_intercept(recorder):
+    with linen_intercept(recorder):
       value = loss(params, state, batch, dropout_key)
     value = value[0] if has_aux else value
     seen[:] = [recorder]
     return value, (recorder.outputs, recorder.inputs)
 
-  seen: list[_Recorder] = []
+  seen: list[Recorder] = []
   probe = _probe(
       traced, seen, state.params, (state, batch, dropout_key),
       lambda p: {'params/' + k: g for k, g in paths.flatten(p).items()},
@@ -408,7 +408,7 @@ def linen_probe(loss: Callable, has_aux: bool, state: Any, batch: Any, dropout_k
 
 
 @contextlib.contextmanager
-def _nnx_intercept(model: nnx.Module, recorder: _Recorder, rename: Callable[[str], str]):
+def nnx_intercept(model: nnx.Module, recorder: Recorder, rename: Callable[[str], str]):
   """Each module class's `__call__` wrapped (restored on exit); outermost call per instance
   recorded (through `nnx.bridge` wrappers), except inside a transform's body (`nnx.remat`,
   `nnx.scan`, ...) that the recorder has not opened, whose module copies (named by their
@@ -442,14 +442,14 @@ def nnx_probe(
     params, rest = jax.tree.map(lambda x: x, (params, rest))
     with compat.eager_sharding_off():
       model, _ = nnx.merge(graphdef, params, rest)
-    recorder = _Recorder(probes, call_key, bodies)
+    recorder = Recorder(probes, call_key, bodies)
     recorder.name_params(params, name)
-    with _nnx_intercept(model, recorder, renames.to_linen):
+    with nnx_intercept(model, recorder, renames.to_linen):
       value = loss(model, batch, dropout_key)
     seen[:] = [recorder]
     return value, (recorder.outputs, recorder.inputs)
 
-  seen: list[_Recorder] = []
+  seen: list[Recorder] = []
   probe = _probe(
       traced, seen, params, (rest, batch, dropout_key),
       lambda p: {name(k): to_linen(k[2:], g) for k, g in paths.flatten(p).items()},
@@ -460,7 +460,7 @@ def nnx_probe(
 # ---------------------------------------------------------------------------
 
 
-def _probe(traced: Callable, seen: list[_Recorder], params: Any, args: tuple,
+def _probe(traced: Callable, seen: list[Recorder], params: Any, args: tuple,
            name_grads: Callable) -> adapter.Probe:
   """Outputs, output cotangents and parameter gradients of one traced loss.
 
@@ -480,8 +480,8 @@ def _probe(traced: Callable, seen: list[_Recorder], params: Any, args: tuple,
   probe = adapter.Probe(
       order=list(recorder.order),
       inputs=dict(inputs),
-      outputs=_flat_outputs(outputs),
-      cotangents=_flat_outputs(cotangents),
+      outputs=flat_outputs(outputs),
+      cotangents=flat_outputs(cotangents),
       param_grads=name_grads(param_grads),
       unrecorded=recorder.unrecorded_calls(),
   )
