@@ -226,3 +226,34 @@ def test_a_bug_inside_a_bridged_module_is_localised_to_it(pair, bridged_side):
   message = str(failure.value)
   assert ('forward pass: inside module mlp_1, outside its submodules: the input of mlp_1/down differs'
           ' while every earlier call agrees') in message, message
+
+
+class _AutoNamed(nn.Module):
+  """`LinenLm` bridged, its wrappers named by Linen (`ToLinen_0`, ...), not `mlp_<i>`."""
+
+  cfg: Config
+
+  @nn.compact
+  def __call__(self, tokens):
+    cfg = self.cfg
+    x = nn.Embed(cfg.vocab, cfg.dim, name='embed')(tokens)
+    for _ in range(cfg.layers):
+      x = x + nnx.bridge.ToLinen(NnxMlp, args=(cfg.dim, cfg.hidden))(x)
+    return nn.Dense(cfg.vocab, name='head')(x)
+
+
+def test_correspondences_are_inferred_through_the_wrappers():
+  """No renames given: each Linen-named wrapper pairs with the NNX module it wraps, and the
+  modules inside keep their own names (traced only: nothing compiled)."""
+
+  def create(seed):
+    model = _AutoNamed(CFG)
+    params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, CFG.length), jnp.int32))['params']
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(CFG.learning_rate))
+
+  linen = parity.StockLinen(create, linen_train_step, linen_eval_step, linen_loss)
+  nnx_side = sides(False, False)(None)[1]
+  found = nnx_side.correspondence(linen, batch(CFG, 0, 'train'), parity.step_key(parity.base_key(0), 0, 0))
+  assert [found.renames.to_nnx(p) for p in ('ToLinen_0', 'ToLinen_1/up', 'ToLinen_1/down', 'head')] == [
+      'mlp_0', 'mlp_1/up', 'mlp_1/down', 'head'], found.renames
+  assert found.call_keys == ()

@@ -516,3 +516,19 @@ def test_compare_decodes_after_training_and_reports_it(argv, tmp_path, capsys):
     assert decode['memory']['linen'] == decode['memory']['nnx'], decode['memory']
   else:  # a stock pair's decode_fn is the user's loop: nothing to lower, and the report says so
     assert decode['program'] is None and 'not compared (a side gives no lower_decode_step)' in out
+
+
+@pytest.mark.exhaustive  # a planted difference: a fresh compile of the decoder's steps
+def test_compare_decode_fails_on_a_decoding_step_whose_program_differs(monkeypatch, capsys):
+  """NNX's decoding step lowered on a cache one slot longer: the tokens still agree, but the
+  step's memory and program differ, and `compare --decode` says so and exits 1."""
+  from models.nnx import decode as nnx_decode
+
+  lower = nnx_decode.lower_step
+  monkeypatch.setattr(nnx_decode, 'lower_step', lambda model, batch, max_len: lower(model, batch, max_len + 1))
+  assert cli.main(['compare', '--steps', '1', '--decode', '2']) == 1
+  captured = capsys.readouterr()
+  rows = {line.split('  ')[0]: line for line in captured.out.splitlines()}
+  assert 'differs (NNX argument_bytes +' in rows['Memory (decode step)'], rows['Memory (decode step)']
+  assert 'programs differ' in rows['Decode-step program'], rows['Decode-step program']
+  assert 'the numbers match but memory or the program differs' in captured.err

@@ -51,7 +51,7 @@ def linen_calls(on_call: OnCall, prefix: str = '') -> Iterator[None]:
       return next_fun(*args, **kwargs)
     path = _join(prefix, '/'.join(module.path))
     run = lambda: next_fun(*args, **kwargs)  # noqa: E731
-    if isinstance(module, nnx_bridge.ToLinen):
+    if isinstance(module, nnx_bridge.ToLinen) and not module.is_initializing():  # init: not compared
       return on_call(path, module, args, lambda: _into_to_linen(on_call, path, run))
     return on_call(path, module, args, run)
 
