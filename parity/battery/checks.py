@@ -850,8 +850,11 @@ def _decode_localized(pair: adapter.Pair, sides, states, prompt, steps: int, key
 
   if not all(callable(getattr(s, 'decode_calls', None)) for s in sides):
     return ['decode localizer: not run (a side gives no `decode_calls`)']
-  calls = [side.decode_calls(state, prompt, steps, key, temperature) for side, state in zip(sides, states)]
-  return decode_localize.localize_decode(*calls, steps).lines()
+  try:  # the decode's own failure stays the message's first line, whatever the localizer meets
+    calls = [side.decode_calls(state, prompt, steps, key, temperature) for side, state in zip(sides, states)]
+    return decode_localize.localize_decode(*calls, steps).lines()
+  except Exception as e:  # noqa: BLE001
+    return [f'decode localizer: could not run eagerly ({type(e).__name__}: {e})']
 
 
 def check_decode(pair: adapter.Pair, placement: str) -> list[str]:
