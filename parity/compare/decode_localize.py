@@ -107,6 +107,9 @@ class DecodeLocalization:
     detail = found.details.get(found.forward_call, '')
     where = (f'inside module {found.forward}, outside its submodules (the input of {found.forward_call}'
              f' differs)' if found.forward_inside else f'at module {found.forward}')
+    if not found.forward_inside and '#' in found.forward_call:  # a repeated call: a scanned stack's layer, say
+      where += f' (its call {int(found.forward_call.rsplit("#", 1)[1]) + 1} in that model call)'
+
     return f'first differs {where}, in model call {self.call} of {self.model_calls[0]}: {self.step()} ({detail})'
 
   def first(self) -> dict[str, Any] | None:
