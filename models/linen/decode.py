@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.sampling import sample, step_key  # noqa: F401  (shared: the same draw on both sides)
+from models.sampling import draw_tokens, sample, step_key  # noqa: F401  (shared: the same draw on both sides)
 from models.linen.decoder import Transformer
 from parity.core import paths
 
@@ -89,16 +89,12 @@ def decode(model_cfg: ModelConfig, variables, prompt_BP, steps: int, key, temper
   fed token i - 1. The cache holds prompt + steps positions (the last token
   is drawn, not fed: its slot stays empty).
   """
-  prompt_len = prompt_BP.shape[1]
-  logits_BLV, cache = prefill(model_cfg, variables, prompt_BP, prompt_len + steps)
-  tokens, logits = [], []
-  for step in range(steps):
-    if step:
-      fed_B1 = jax.block_until_ready(tokens[-1][:, None])
-      logits_BLV, cache = jax.block_until_ready(extend(model_cfg, variables, cache, fed_B1))
-    # One program at a time: on a mesh of CPU devices, two programs with collectives in flight
-    # can each hold some devices' threads waiting for the others (XLA aborts after 40 s).
-    token_B, logits_BV = jax.block_until_ready(sample(logits_BLV, key, step, temperature))
-    tokens.append(token_B)
-    logits.append(logits_BV)
-  return jnp.stack(tokens, axis=1), jnp.stack(logits, axis=1), paths.flatten({'cache': cache})
+  logits_BLV, cache = prefill(model_cfg, variables, prompt_BP, prompt_BP.shape[1] + steps)
+
+  def feed(tokens_B1):
+    nonlocal cache
+    logits_BLV, cache = extend(model_cfg, variables, cache, tokens_B1)
+    return logits_BLV
+
+  tokens, logits = draw_tokens(logits_BLV, feed, steps, key, temperature)
+  return tokens, logits, paths.flatten({'cache': cache})

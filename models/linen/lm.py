@@ -27,6 +27,7 @@ from flax.core import meta
 from flax.training import train_state
 
 import parity
+from models.sampling import draw_tokens  # the same draws on both sides
 from models.families import LmConfig
 
 
@@ -131,15 +132,6 @@ def eval_step(state: TrainState, batch):
 # -- decoding with the stock KV cache -----------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames='temperature')
-def sample(logits, key, step, temperature: float):
-  """Token `step` of a decode (int32[B]) from its logits [B, V]: the argmax at temperature 0,
-  else a draw from softmax(logits / temperature) with the key `fold_in(key, step)`."""
-  if temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(jax.random.fold_in(key, step), logits / temperature, axis=-1).astype(jnp.int32)
-
-
 def decoding_model(state: TrainState) -> LanguageModel:
   """The model of `state` (`create_train_state`'s: its apply_fn is the model's apply), decoding."""
   model = getattr(state.apply_fn, '__self__', None)
@@ -196,16 +188,11 @@ def decode(state: TrainState, prompt, steps: int, key, temperature: float):
   batch, prompt_len = prompt.shape
   cache = init_cache(model, batch, prompt_len + steps)
   prompt_logits, cache = prefill(model, params, cache, prompt)
-  logits = prompt_logits[:, -1]
-  tokens, drawn_from = [], []
-  for step in range(steps):
-    if step:
-      logits, cache = jax.block_until_ready(decode_step(model, params, cache, tokens[-1]))
-    # One program at a time: on a mesh of CPU devices, two programs with collectives in flight
-    # can each hold some devices' threads waiting for the others (XLA aborts after 40 s).
-    tokens.append(jax.block_until_ready(sample(logits, key, step, temperature)))
-    drawn_from.append(logits)
-  tokens = jnp.stack(tokens, axis=1) if steps else jnp.zeros((batch, 0), jnp.int32)
-  drawn_from = (jnp.stack(drawn_from, axis=1) if steps
-                else jnp.zeros((batch, 0, prompt_logits.shape[-1]), prompt_logits.dtype))
+
+  def feed(tokens_B1):
+    nonlocal cache
+    logits, cache = decode_step(model, params, cache, tokens_B1[:, 0])
+    return logits[:, None]
+
+  tokens, drawn_from = draw_tokens(prompt_logits, feed, steps, key, temperature)
   return tokens, drawn_from, traverse_util.flatten_dict(cache, sep='/')

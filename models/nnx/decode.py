@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.sampling import sample, step_key  # noqa: F401  (shared: the same draw on both sides)
+from models.sampling import draw_tokens, sample, step_key  # noqa: F401  (shared: the same draw on both sides)
 from models.nnx.decoder import Transformer
 from models.nnx.layers import logical_constraint
 from parity.core import compat, paths
@@ -109,20 +109,16 @@ def decode(model_cfg: ModelConfig, model: Transformer, prompt_BP, steps: int, ke
   is drawn, not fed: its slot stays empty).
   """
   _check_config(model_cfg, model)
-  prompt_len = prompt_BP.shape[1]
-  graphdef, state, cache = init_cache(model, prompt_BP.shape[0], prompt_len + steps)
+  graphdef, state, cache = init_cache(model, prompt_BP.shape[0], prompt_BP.shape[1] + steps)
   logits_BLV, cache = extend(graphdef, state, cache, prompt_BP)
-  tokens, logits = [], []
-  for step in range(steps):
-    if step:
-      fed_B1 = jax.block_until_ready(tokens[-1][:, None])
-      logits_BLV, cache = jax.block_until_ready(extend(graphdef, state, cache, fed_B1))
-    # One program at a time: on a mesh of CPU devices, two programs with collectives in flight
-    # can each hold some devices' threads waiting for the others (XLA aborts after 40 s).
-    token_B, logits_BV = jax.block_until_ready(sample(logits_BLV, key, step, temperature))
-    tokens.append(token_B)
-    logits.append(logits_BV)
-  return jnp.stack(tokens, axis=1), jnp.stack(logits, axis=1), paths.flatten(cache)
+
+  def feed(tokens_B1):
+    nonlocal cache
+    logits_BLV, cache = extend(graphdef, state, cache, tokens_B1)
+    return logits_BLV
+
+  tokens, logits = draw_tokens(logits_BLV, feed, steps, key, temperature)
+  return tokens, logits, paths.flatten(cache)
 
 
 def _check_config(model_cfg: ModelConfig, model: Transformer) -> None:

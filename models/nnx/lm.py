@@ -27,6 +27,7 @@ import optax
 from flax import nnx, traverse_util
 
 import parity
+from models.sampling import draw_tokens  # the same draws on both sides
 from models.families import LmConfig, lm_axis_rules
 from models.nnx.encoder import ATTENTION_FNS
 
@@ -137,15 +138,6 @@ def eval_step(model: LanguageModel, batch):
 # -- decoding with the stock KV cache -----------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames='temperature')
-def sample(logits, key, step, temperature: float):
-  """Token `step` of a decode (int32[B]) from its logits [B, V]: the argmax at temperature 0,
-  else a draw from softmax(logits / temperature) with the key `fold_in(key, step)`."""
-  if temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(jax.random.fold_in(key, step), logits / temperature, axis=-1).astype(jnp.int32)
-
-
 def decoding_model(model: LanguageModel, batch: int, max_len: int) -> LanguageModel:
   """A copy of `model` (which is left as it is), decoding with an empty cache."""
   model = nnx.clone(model)
@@ -194,17 +186,7 @@ def decode(model: LanguageModel, prompt, steps: int, key, temperature: float):
   batch, prompt_len = prompt.shape
   model = decoding_model(model, batch, prompt_len + steps)
   prompt_logits = prefill(model, prompt)
-  logits = prompt_logits[:, -1]
-  tokens, drawn_from = [], []
-  for step in range(steps):
-    if step:
-      logits = jax.block_until_ready(decode_step(model, tokens[-1]))
-    # One program at a time: on a mesh of CPU devices, two programs with collectives in flight
-    # can each hold some devices' threads waiting for the others (XLA aborts after 40 s).
-    tokens.append(jax.block_until_ready(sample(logits, key, step, temperature)))
-    drawn_from.append(logits)
-  tokens = jnp.stack(tokens, axis=1) if steps else jnp.zeros((batch, 0), jnp.int32)
-  drawn_from = (jnp.stack(drawn_from, axis=1) if steps
-                else jnp.zeros((batch, 0, prompt_logits.shape[-1]), prompt_logits.dtype))
+  tokens, drawn_from = draw_tokens(
+      prompt_logits, lambda tokens_B1: decode_step(model, tokens_B1[:, 0])[:, None], steps, key, temperature)
   cache = nnx.to_pure_dict(nnx.state(model, nnx.Cache))
   return tokens, drawn_from, {'/'.join(map(str, path)): x for path, x in traverse_util.flatten_dict(cache).items()}
