@@ -202,6 +202,21 @@ def pytest_runtest_teardown(item, nextitem):
   _MAP_GUARD.after_test()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+  """A battery test that ends in the kit's answer to the pair as declared (modules it cannot
+  pair) fails with that answer alone: the kit's frames say nothing more to its user."""
+  try:
+    return (yield)
+  except ValueError as error:
+    correspond = sys.modules.get('parity.pairs.correspond')  # loaded by whatever raised it
+    if correspond is None or not isinstance(error, correspond.CorrespondenceError) or not isinstance(
+        pyfuncitem.instance, _Battery):
+      raise
+    message = f'{pyfuncitem.instance.pair.name}: {error}'
+  pytest.fail(message, pytrace=False)  # outside the handler: the error is not printed twice
+
+
 def _record(request, name: str, value) -> None:
   """A finding kept on the test's report (`user_properties`; junit XML shows them). Not
   `record_property`, which warns under junit_family=xunit2 (an error with -W error)."""

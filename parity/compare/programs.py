@@ -420,17 +420,36 @@ class _Canonicalizer:
         else:
           inputs.add(value)
         names.add(m.group(1))
-    out = [f'{_PLACEHOLDER} = parity.opaque "{module}"({", ".join(sorted(inputs))})'
-           f'{_result_type(lines)}']
+    result_type, result_order = _result_type(lines), None
+    loop = _WHILE.match(lines[0].strip())
+    if loop and len(def_names) == 1:
+      result_type, result_order = self._opaque_loop_results(loop, scope, result_type)
+    out = [f'{_PLACEHOLDER} = parity.opaque "{module}"({", ".join(sorted(inputs))}){result_type}']
     token = _hash('\n'.join(out))
+    aliases = {}
     if len(def_names) == 1:
       defs = [(def_names[0][0], f'%v{token}')]
+      if result_order is not None:
+        aliases = {f'{def_names[0][0]}#{old}': f'%v{token}#{new}' for old, new in result_order.items()}
     else:  # a value per result
       defs = [(name, f'%v{_hash(f"{token}_{i}")}') for i, (name, _) in enumerate(def_names)]
-    for _, value in defs:
+    for _, value in [*defs, *((None, v.split('#')[0]) for v in aliases.values())]:
       self._opaque_inputs[value] = (module, frozenset(inputs))
     return _Statement(lines=out, defs=defs, refs=names, token=token, terminator=False, side_effect=False,
-                      opaque_module=module)
+                      aliases=aliases, opaque_module=module)
+
+  @staticmethod
+  def _opaque_loop_results(loop: re.Match, scope: dict[str, str], result_type: str):
+    """(result type, old -> new result index) of a loop left out of the comparison, its results
+    in a canonical order: each keyed by its type and its initial value, as `_while` keys the
+    carried values it reads (a stock layer's scan, `nn.RNN` against `nnx.RNN`, carries the same
+    values in another order); where they cannot be read, as they are."""
+    bindings, types = _split_top_level(loop.group(2)), _split_top_level(loop.group(3))
+    inits = [b.partition('=')[2].strip() for b in bindings]
+    if len(bindings) != len(types) or not all(inits):
+      return result_type, None
+    order, index = _canonical_indices([f'{types[i]}|{_substitute(inits[i], scope)}' for i in range(len(types))])
+    return ' : ' + ', '.join(types[i] for i in order), index
 
   def _generic(self, parts, scope, depth) -> tuple[list[str], dict[int, int] | None]:
     # Values bound by the structure (block arguments, reducer arguments) are
@@ -947,14 +966,34 @@ ALLOWED: tuple[AllowedDifference, ...] = (STEP_COUNTER_DTYPE,)
 _WHILE_TYPES = re.compile(r'stablehlo\.while\((?:[^()]|\([^()]*\))*\)\s*:\s*([^\n]*)')
 
 
-def loop_carries(text: str) -> list[list[str]]:
+def loop_carries(text: str, opaque_modules: tuple[str, ...] = ()) -> list[list[str]]:
   """Each `stablehlo.while` of a lowered program, in text order: the types it carries, in order.
 
   Types, not values: two carried values of one type trading places are not
   told apart here (the canonical comparison still sees what each computes).
+  A loop located in one of `opaque_modules` (needs the text with debug
+  locations) is left out: how such a module computes is not compared.
   """
+  if opaque_modules:
+    text = _without_loops_in(text, opaque_modules)
   text = _strip_locations(text)
   return [_split_top_level(m.group(1).strip()) for m in _WHILE_TYPES.finditer(text)]
+
+
+def _without_loops_in(text: str, modules: tuple[str, ...]) -> str:
+  """`text` without the headers of the loops located in one of `modules` (a loop's location is
+  on the line closing it)."""
+  lines = _mark_opaque(text, modules).splitlines()
+  out = list(lines)
+  for i, line in enumerate(lines):
+    if 'stablehlo.while(' not in line:
+      continue
+    indent = _indent_of(line)
+    end = next((k for k in range(i + 1, len(lines)) if _indent_of(lines[k]) == indent
+                and lines[k].strip().startswith('}') and not lines[k].strip().startswith('} do')), None)
+    if end is not None and '\u27e6opaque' in lines[end]:
+      out[i] = ''
+  return '\n'.join(out)
 
 
 def _unpaired_loops(a: list[list[str]], b: list[list[str]]):
@@ -971,7 +1010,9 @@ def _unpaired_loops(a: list[list[str]], b: list[list[str]]):
   return left_a, left_b
 
 
-def loop_order_difference(linen_text: str, nnx_text: str, reorder_only: bool = False) -> str:
+def loop_order_difference(
+    linen_text: str, nnx_text: str, reorder_only: bool = False, opaque_modules: tuple[str, ...] = ()
+) -> str:
   """'' when both programs' loops carry the same types in the same order; else where they differ.
 
   `reorder_only`: only a loop carrying the same values in another order is
@@ -983,7 +1024,7 @@ def loop_order_difference(linen_text: str, nnx_text: str, reorder_only: bool = F
   reported, against an unpaired NNX loop carrying the same types in another
   order if there is one.
   """
-  a, b = loop_carries(linen_text), loop_carries(nnx_text)
+  a, b = loop_carries(linen_text, opaque_modules), loop_carries(nnx_text, opaque_modules)
   if len(a) != len(b):
     return '' if reorder_only else f'Linen has {len(a)} loops, NNX {len(b)}'
   unpaired_linen, unpaired_nnx = _unpaired_loops(a, b)
@@ -1213,7 +1254,7 @@ def diff(
   allowed_names = [a.name for a in allowed]
   if full[0] == full[1]:
     n = len(full[0].splitlines())
-    loop_order = loop_order_difference(linen_text, nnx_text)
+    loop_order = loop_order_difference(linen_text, nnx_text, opaque_modules=opaque_modules)
     return ProgramDiff(not loop_order, None, n, n, 0, '', allowed=allowed_names, loop_order=loop_order)
   a, b = (t.splitlines() for t in _short_names(full))
   matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
@@ -1236,7 +1277,8 @@ def diff(
       first_linen=_clip(first_a, width, start), first_nnx=_clip(first_b, width, start),
       parting_linen=[_clip(a[i].strip(), width) for i in parting[0]],
       parting_nnx=[_clip(b[i].strip(), width) for i in parting[1]],
-      allowed=allowed_names, loop_reorder=loop_order_difference(linen_text, nnx_text, reorder_only=True),
+      allowed=allowed_names, loop_reorder=loop_order_difference(linen_text, nnx_text, reorder_only=True,
+                                                                 opaque_modules=opaque_modules),
       loop_growth=loop_carry_growth(linen_text, nnx_text, linen_args, nnx_args),
       **_arguments_only(linen_args, nnx_args),
   )

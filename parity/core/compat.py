@@ -225,3 +225,54 @@ def to_linen_module_hook(hook: Callable[[Any, Callable], Callable]) -> Iterator[
     yield
   finally:
     wrappers._get_module_method = original
+
+
+# flax's lifted scan (`nn.scan`, and `nn.RNN` over it) traces its body once more,
+# outside the scan, to check that broadcast values are loop invariants
+# (flax/core/axes_scan.py, `check_constancy_invariants`): through partial_eval's
+# trace_to_jaxpr_* (`nounits` in flax 0.12.8, `dynamic` in 0.12.12). The module
+# calls of that pass are not the model's: the kit's recorders skip them.
+_SCAN_CHECK_DEPTH = [0]
+
+
+class _MarkedPartialEval:
+  """partial_eval as flax's axes_scan sees it, its trace_to_jaxpr_* counted while they run."""
+
+  def __init__(self, pe: Any):
+    self._pe = pe
+
+  def __getattr__(self, name: str) -> Any:
+    value = getattr(self._pe, name)
+    if not name.startswith('trace_to_jaxpr'):
+      return value
+
+    def traced(*args, **kwargs):
+      _SCAN_CHECK_DEPTH[0] += 1
+      try:
+        return value(*args, **kwargs)
+      finally:
+        _SCAN_CHECK_DEPTH[0] -= 1
+
+    return traced
+
+
+@contextlib.contextmanager
+def scan_check_pass_marked() -> Iterator[None]:
+  """While active, `in_scan_check_pass()` tells the body pass Linen's scan makes to check its
+  broadcast values apart from the scan's own (a flax without that pass: never)."""
+  from flax.core import axes_scan  # pylint: disable=g-import-not-at-top
+
+  original = getattr(axes_scan, 'pe', None)
+  if original is None or isinstance(original, _MarkedPartialEval):
+    yield
+    return
+  axes_scan.pe = _MarkedPartialEval(original)
+  try:
+    yield
+  finally:
+    axes_scan.pe = original
+
+
+def in_scan_check_pass() -> bool:
+  """True inside the check pass of a Linen scan's body (see `scan_check_pass_marked`)."""
+  return _SCAN_CHECK_DEPTH[0] > 0

@@ -175,35 +175,63 @@ def _compatible(a: Call, b: Call) -> bool:
   return _same_kind(a, b) or bool(a.below)
 
 
+def _bonus(a: Call, b: Call) -> int:
+  """How well two calls pair: 2 compatible and of one class, 1 compatible only, or of one class
+  owning no parameters with other parameters below (a container whose submodule Linen keeps in
+  another scope: `nn.RNN`'s cell is its parent's), 0 not at all."""
+  if _compatible(a, b):
+    return 2 if _same_kind(a, b) else 1
+  return 1 if not a.own and not b.own and _same_kind(a, b) else 0
+
+
 def _same_kind(a: Call, b: Call) -> bool:
   """The same class (stock Linen names as NNX's), or one derived from the other's."""
   return _normal_class(a.cls) == _normal_class(b.cls) or _normal_class(a.cls) in b.kinds or _normal_class(b.cls) in a.kinds
 
 
 def _align(linen: list[Call], nnx_: list[Call]) -> list[tuple[int, int]]:
-  """The longest order-preserving pairing of compatible calls (ties: same class first)."""
+  """The longest order-preserving pairing of calls that pair (`_bonus`; ties: the better first)."""
   n, m = len(linen), len(nnx_)
+  bonus = [[_bonus(a, b) for b in nnx_] for a in linen]
   score = [[0] * (m + 1) for _ in range(n + 1)]
   for i in range(n - 1, -1, -1):
     for j in range(m - 1, -1, -1):
       best = max(score[i + 1][j], score[i][j + 1])
-      if _compatible(linen[i], nnx_[j]):
-        bonus = 2 if _same_kind(linen[i], nnx_[j]) else 1
-        best = max(best, score[i + 1][j + 1] + bonus)
+      if bonus[i][j]:
+        best = max(best, score[i + 1][j + 1] + bonus[i][j])
       score[i][j] = best
   pairs, i, j = [], 0, 0
   while i < n and j < m:
-    if _compatible(linen[i], nnx_[j]):
-      bonus = 2 if _same_kind(linen[i], nnx_[j]) else 1
-      if score[i][j] == score[i + 1][j + 1] + bonus:
-        pairs.append((i, j))
-        i, j = i + 1, j + 1
-        continue
+    if bonus[i][j] and score[i][j] == score[i + 1][j + 1] + bonus[i][j]:
+      pairs.append((i, j))
+      i, j = i + 1, j + 1
+      continue
     if score[i][j] == score[i + 1][j]:
       i += 1
     else:
       j += 1
   return pairs
+
+
+def _shapes(call: Call) -> str:
+  """The shapes of the parameters at or below `call`, each with its count."""
+  counts = collections.Counter(str(list(shape)) for shape, _ in call.below)
+  return ', '.join(f'{shape} x{n}' if n > 1 else shape for shape, n in counts.items()) or 'none'
+
+
+def _other_layouts(linen: list[Call], nnx_: list[Call], pairs: list[tuple[int, int]]) -> list[str]:
+  """A note for each layer paired by its class and place whose parameters differ (no rename can
+  pair those: the two sides store the layer's parameters in other layouts)."""
+  notes = []
+  for i, j in pairs:
+    a, b = linen[i], nnx_[j]
+    if a.below != b.below and a.below and b.below and _same_kind(a, b):
+      notes.append(
+          f'Linen {a.label} and NNX {b.label} are the same layer at the same place, but hold other'
+          f' parameters (Linen: {_shapes(a)}; NNX: {_shapes(b)}): no rename pairs them. The two'
+          ' sides store this layer\'s parameters in other layouts (flax\'s own Linen and NNX versions'
+          ' of a layer can: OptimizedLSTMCell does); port the layer so that both hold the same parameters.')
+  return notes
 
 
 def _covered(rules: tuple[tuple[str, str], ...], path: str) -> bool:
@@ -260,6 +288,6 @@ def infer(linen: list[Call], nnx_: list[Call], given: Renames = Renames()) -> Co
     raise CorrespondenceError(
         'module correspondences: ' + str(len(problems)) + ' module(s) could not be paired by call order,'
         ' class and parameter shapes; give their names with Renames (your rules win where they speak):\n  '
-        + '\n  '.join(problems)
+        + '\n  '.join(problems) + ''.join('\n' + note for note in _other_layouts(linen, nnx_, pairs))
     )
   return Correspondence(table, tuple(call_keys), tuple(needed))

@@ -240,7 +240,8 @@ class Report:
         ' steps interleaved (order alternating); compilation timed apart (step 0 only'
         ' executes); avg and median s/step leave step 0 out.',
         'Tokens/s and TFLOP/s per device use the avg step time; tokens are every'
-        ' position of the batch; FLOPs are analytic (bridge/flops.py).',
+        ' position of the batch; ' + ('FLOPs are analytic, as the run counts them (below).' if r.flops is not None
+                                      else 'the run counts no FLOPs (TFLOP/s n/a).'),
         'Memory: XLA memory analysis of each compiled train step (per device); the verdict'
         ' compares arguments, outputs, temporaries, aliased and peak bytes.',
         ('Program: both train steps canonicalised (arguments named by state path) and'
@@ -276,6 +277,9 @@ class Report:
       # Where the programs part outside the declared modules: the difference not declared.
       lines.append(f'  outside the declared modules: {outside.summary(loop_growth=False)}')
       d = outside
+    elif self.result.expected_difference is not None and self.result.declared_program_difference is not None:
+      lines.append('  all of it inside the declared modules'
+                   f' ({", ".join(self.result.declared_program_difference.paths)}): identical outside them')
     if not d.identical and not d.loop_order:
       lines.append(f'  first difference, Linen: {d.first_linen or "(nothing)"}')
       lines.append(f'  first difference, NNX:   {d.first_nnx or "(nothing)"}')

@@ -201,7 +201,7 @@ class CompareResult:
   def memory_drift(self) -> list[str]:
     """Each memory-analysis field that differs, with both values (empty: equal to the byte;
     state only NNX keeps accounted)."""
-    return memory_drift(self.linen.memory, self.nnx_only_memory or self.nnx.memory)
+    return memory_drift(self.linen.memory, self._nnx_memory_compared)
 
   @property
   def memory_verdict(self) -> str:
@@ -212,11 +212,17 @@ class CompareResult:
     drift = self.memory_drift
     if not drift:
       return 'equal to the byte' + ('' if self.nnx_only_accounting is None else f' ({self.nnx_only_accounting})')
+    accounted = '' if self.nnx_only_accounting is None else f'; {self.nnx_only_accounting}'
     declared = self.declared_program_difference
-    if declared_memory_admits(declared, self.linen.memory, self.nnx.memory):
+    if declared_memory_admits(declared, self.linen.memory, self._nnx_memory_compared):
       return (f'differs within the declared bound (NNX ' + ', '.join(drift)
-              + f'; at most {declared.max_temp_bytes:,} B of temporaries)')
-    return 'differs (NNX ' + ', '.join(drift) + ')'
+              + f'; at most {declared.max_temp_bytes:,} B of temporaries{accounted})')
+    return 'differs (NNX ' + ', '.join(drift) + accounted + ')'
+
+  @property
+  def _nnx_memory_compared(self) -> dict[str, Any]:
+    """NNX's memory analysis as compared: state only NNX keeps taken off."""
+    return self.nnx_only_memory or self.nnx.memory
 
   @property
   def program_verdict(self) -> str:
@@ -225,9 +231,12 @@ class CompareResult:
       return 'not compared'
     if d.identical:
       return 'identical' + (f' except: {", ".join(d.allowed)}' if d.allowed else '')
+    declared, outside = self.declared_program_difference, self.program_diff_outside
+    if declared is not None and declared.admits_program(d, outside):
+      return (f'differs as declared ({d.changed_lines} of at most {declared.max_changed_lines} canonical'
+              f' lines; identical outside {", ".join(declared.paths)})')
     if d.loop_order:
       return 'differs (the same computation; a loop carries its values in another order)'
-    declared, outside = self.declared_program_difference, self.program_diff_outside
     if outside is not None and not outside.identical:
       return (f'differs ({d.changed_lines} canonical lines; {outside.changed_lines} outside the'
               f' declared modules {", ".join(declared.paths)})')
@@ -253,7 +262,7 @@ class CompareResult:
       return not self.memory_drift and (self.program_diff is None or self.program_diff.identical)
     if self.declared_program_difference is not None:
       return not self.memory_drift or declared_memory_admits(
-          self.declared_program_difference, self.linen.memory, self.nnx.memory)
+          self.declared_program_difference, self.linen.memory, self._nnx_memory_compared)
     return not memory_drift(self.linen.memory, self.nnx.memory, exclude=LAYOUT_MOVE_MEMORY)
 
   @property
