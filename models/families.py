@@ -1,4 +1,4 @@
-"""Configs and synthetic data of the two stock-layer model families.
+"""Configs and synthetic data of the stock-layer model families.
 
 The reference decoder (models/config.py, models/data.py) is written layer by
 layer; these two are built from flax's stock layers on both sides, as a
@@ -306,5 +306,26 @@ def prod_mesh(spec: str, devices):
 def prod_batch(cfg: ProdConfig, step: int, split: str = 'train') -> dict[str, np.ndarray]:
   """{tokens: int32 [B, L]}, a pure function of (seed, split, step): rows counting by a stride
   (mod vocab_size), as lm_batch."""
+  return lm_batch(LmConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                           seed=cfg.seed), step, split)
+
+
+@dataclasses.dataclass(frozen=True)
+class RnnConfig:
+  """A small recurrent language model: embedding, an LSTM over the sequence (flax's stock RNN),
+  dropout, dense head; next-token cross entropy on lm_batch's counting rows."""
+
+  vocab_size: int = 32
+  emb_dim: int = 16
+  hidden: int = 32
+  seq_len: int = 9  # 8 inputs, each position's next token its target
+  batch_size: int = 8
+  dropout_rate: float = 0.1
+  learning_rate: float = 3e-3
+  seed: int = 0
+
+
+def rnn_batch(cfg: RnnConfig, step: int, split: str = 'train') -> dict[str, np.ndarray]:
+  """{tokens: int32 [B, L]}, a pure function of (seed, split, step): lm_batch's rows."""
   return lm_batch(LmConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                            seed=cfg.seed), step, split)

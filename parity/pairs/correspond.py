@@ -222,10 +222,12 @@ def _shapes(call: Call) -> str:
 def _other_layouts(linen: list[Call], nnx_: list[Call], pairs: list[tuple[int, int]]) -> list[str]:
   """A note for each layer paired by its class and place whose parameters differ (no rename can
   pair those: the two sides store the layer's parameters in other layouts)."""
+  differ = [(linen[i], nnx_[j]) for i, j in pairs
+            if linen[i].below != nnx_[j].below and linen[i].below and nnx_[j].below and _same_kind(linen[i], nnx_[j])]
   notes = []
-  for i, j in pairs:
-    a, b = linen[i], nnx_[j]
-    if a.below != b.below and a.below and b.below and _same_kind(a, b):
+  for a, b in differ:
+    # The innermost such layers only: a model holding one holds other parameters too.
+    if not any(c is not a and (not a.path or c.path.startswith(a.path + '/')) for c, _ in differ):
       notes.append(
           f'Linen {a.label} and NNX {b.label} are the same layer at the same place, but hold other'
           f' parameters (Linen: {_shapes(a)}; NNX: {_shapes(b)}): no rename pairs them. The two'

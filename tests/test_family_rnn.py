@@ -1,0 +1,123 @@
+"""The fifth family: a recurrent language model from flax's stock layers (`nn.RNN` over an
+`nn.LSTMCell` against `nnx.RNN` over an `nnx.LSTMCell`), with stock dropout on, declared as a
+user would: no renames (inferred, though Linen keeps the cell beside `RNN_0` where NNX nests it
+in `rnn`), and one declared difference, the loop flax's two RNNs scan with.
+"""
+# --- glue ---
+import functools
+
+import parity
+from models.families import RnnConfig, rnn_batch
+from models.linen import rnn as linen_rnn
+from models.nnx import rnn as nnx_rnn
+
+CFG = RnnConfig()
+
+
+def make_sides(mesh):
+  linen = parity.StockLinen(functools.partial(linen_rnn.create_train_state, CFG), linen_rnn.train_step,
+                            linen_rnn.eval_step, linen_rnn.loss_fn, mesh=mesh, forward=linen_rnn.forward)
+  nnx_side = parity.StockNnx(functools.partial(nnx_rnn.create_train_state, CFG), nnx_rnn.train_step,
+                             nnx_rnn.eval_step, nnx_rnn.loss_fn, mesh=mesh, forward=nnx_rnn.forward,
+                             dropout_keys='linen')
+  return linen, nnx_side
+
+
+RNN_LOOP = parity.KnownDifference(
+    ('RNN_0',), ('program', 'memory'), max_changed_lines=0, max_temp_bytes=8128,
+    reason="nn.RNN's and nnx.RNN's scans carry the cell's parameters (and their gradients) in another order")
+rnn = parity.Pair('rnn', make_sides, functools.partial(rnn_batch, CFG), known_differences=(RNN_LOOP,))
+# --- end of glue ---
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from parity.pairs import correspond  # noqa: E402
+
+
+def _calls(cfg=CFG):
+  linen, nnx_side = make_sides(None)
+  batch, key = rnn_batch(cfg, 0), jax.random.PRNGKey(0)
+  return (correspond.linen_calls(linen, linen.init(0), batch, key),
+          correspond.nnx_calls(nnx_side, nnx_side.init(0), batch, key))
+
+
+def test_the_linen_cell_is_one_call_and_pairs_with_the_nnx_rnns_cell():
+  """flax's nn.scan traces its body once more to check its broadcast values: not a module call.
+  `RNN_0` owns no parameters (its cell is the model's `LSTMCell_0`); it still pairs with `rnn`."""
+  linen_calls, nnx_calls = _calls()
+  assert [c.key for c in linen_calls if c.path == 'LSTMCell_0'] == ['LSTMCell_0']
+  rules = dict(correspond.infer(linen_calls, nnx_calls).renames.rules)
+  assert rules['RNN_0'] == 'rnn' and rules['LSTMCell_0'] == 'rnn/cell', rules
+
+
+def test_a_layer_whose_two_flax_versions_hold_other_parameters_is_named_as_such(monkeypatch):
+  """flax's Linen OptimizedLSTMCell keeps a kernel per gate, NNX's fused ones: no rename pairs
+  them, and the error says so rather than asking for renames."""
+  monkeypatch.setattr(nn, 'LSTMCell', nn.OptimizedLSTMCell)
+  monkeypatch.setattr(nnx, 'LSTMCell', nnx.OptimizedLSTMCell)
+  with pytest.raises(correspond.CorrespondenceError) as failure:
+    correspond.infer(*_calls())
+  message = str(failure.value)
+  assert ('Linen OptimizedLSTMCell_0 (OptimizedLSTMCell) and NNX rnn/cell (OptimizedLSTMCell) are the same layer'
+          ' at the same place, but hold other parameters') in message, message
+  assert 'no rename pairs them' in message, message
+
+
+def _pair(name, sides=make_sides, **kwargs):
+  return parity.Pair(name, sides, functools.partial(rnn_batch, CFG), **kwargs)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group('parity-rnn')
+def test_without_its_declaration_the_program_and_memory_parts_name_the_loop():
+  from parity.battery import checks
+
+  pair = _pair('rnn_undeclared', parts=('program', 'memory'))
+  with pytest.raises(AssertionError) as failure:
+    checks.check_program(pair)
+  assert 'the same computation, but loop' in str(failure.value), failure.value
+  with pytest.raises(AssertionError) as failure:
+    checks.check_memory(pair)
+  assert 'temp_bytes -8,128 B' in str(failure.value), failure.value
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group('parity-rnn')
+def test_a_bug_planted_in_the_nnx_cell_fails_and_the_localizer_names_the_cell(monkeypatch):
+  from parity.battery import checks
+
+  def sides(mesh):
+    linen, nnx_side = make_sides(mesh)
+
+    def create(seed):
+      model, optimizer = nnx_rnn.create_train_state(CFG, seed)
+      model.rnn.cell.gate_fn = nnx.hard_sigmoid  # stock: sigmoid, as Linen's
+      return model, optimizer
+
+    return linen, dataclasses.replace(nnx_side, create=create)
+
+  with pytest.raises(AssertionError) as failure:
+    checks.check_grads(_pair('rnn_gate', sides, parts=('grads',)))
+  message = str(failure.value)
+  assert 'forward pass: first differs at module LSTMCell_0' in message, message
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group('parity-rnn')
+def test_compare_accepts_the_declared_loop_and_exits_0(tmp_path, capsys):
+  from parity.run import cli
+
+  out = tmp_path / 'rnn.json'
+  assert cli.main(['compare', '--pair', 'tests/test_family_rnn.py:rnn', '--steps', '2', '--json', str(out)]) == 0
+  text = capsys.readouterr().out
+  assert 'differs as declared (0 of at most 0 canonical lines; identical outside RNN_0)' in text, text
+  assert 'all of it inside the declared modules (RNN_0): identical outside them' in text, text
+  result = json.loads(out.read_text())
+  assert result['bitwise_equal'] and result['same_program'], result
+  assert result['memory_verdict'].startswith('differs within the declared bound'), result['memory_verdict']
