@@ -433,7 +433,7 @@ class _Canonicalizer:
         aliases = {f'{def_names[0][0]}#{old}': f'%v{token}#{new}' for old, new in result_order.items()}
     else:  # a value per result
       defs = [(name, f'%v{_hash(f"{token}_{i}")}') for i, (name, _) in enumerate(def_names)]
-    for _, value in [*defs, *((None, v.split('#')[0]) for v in aliases.values())]:
+    for _, value in defs:
       self._opaque_inputs[value] = (module, frozenset(inputs))
     return _Statement(lines=out, defs=defs, refs=names, token=token, terminator=False, side_effect=False,
                       aliases=aliases, opaque_module=module)
