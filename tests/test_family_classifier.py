@@ -121,6 +121,38 @@ def test_a_program_over_its_declared_bound_says_where_it_differs(paths, where):
   assert any(l.startswith('where they part, NNX:') and 'stablehlo.reshape' in l for l in parting), parting
 
 
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group('parity-classifier')
+@pytest.mark.parametrize('part,declared,message', [
+    ('program', dataclasses.replace(BATCH_NORM_PROGRAM, max_changed_lines=5 * 464),
+     "KnownDifference(('BatchNorm_0', 'BatchNorm_1'), 'program', max_changed_lines=2320) is loose:"
+     ' the measured figure is '),
+    ('memory', dataclasses.replace(BATCH_NORM_PROGRAM, passes=('program', 'memory'), max_temp_bytes=64),
+     "nothing differs under it (the memory is the same on both sides): remove 'memory' from its passes"),
+], ids=['program_loose', 'memory_vacuous'])
+def test_a_program_or_memory_bound_must_be_tight(part, declared, message):
+  """A declared program or memory bound is at most 4 times what is measured, and something
+  differs under it: a bound with room to spare would hide a second difference in its modules."""
+  from parity.battery import checks as battery
+
+  check = {'program': battery.check_program, 'memory': battery.check_memory}[part]
+  with pytest.raises(AssertionError) as failure:
+    check(dataclasses.replace(classifier, known_differences=(declared,)))
+  assert message in str(failure.value), failure.value
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group('parity-classifier_without_batch_norm')
+def test_a_program_declared_where_nothing_differs_is_refused():
+  from parity.battery import checks as battery
+
+  declared = dataclasses.replace(BATCH_NORM_PROGRAM, paths=('Conv_0',))
+  with pytest.raises(AssertionError) as failure:
+    battery.check_program(dataclasses.replace(classifier_without_batch_norm, known_differences=(declared,)))
+  assert "nothing differs under it (the program is the same on both sides): remove 'program'" in str(
+      failure.value), failure.value
+
+
 @pytest.mark.xdist_group('parity-classifier')
 def test_the_memory_check_fails_when_nothing_is_measured(monkeypatch):
   """A backend without XLA's memory analysis gives no fields: the check says so, never passes."""

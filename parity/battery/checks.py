@@ -719,10 +719,16 @@ def check_memory(pair: adapter.Pair) -> list[str]:
   if account is not None and account()['paths']:
     mem[1], accounted = runner.without_nnx_only(account(), *mem, runs.compiled('linen'))
   drift = runner.memory_drift(*mem)
-  if not drift:
-    return accounted
   known = pair.program_difference()
+  declared = known is not None and 'memory' in known.passes
+  if not drift:
+    loose = known.loose_structure('memory', None) if declared else ''
+    assert not loose, f'{pair.name}: {loose}'
+    return accounted
   if runner.declared_memory_admits(known, *mem):
+    measured = max(abs(mem[1][f] - mem[0][f]) for f in runner.LAYOUT_MOVE_MEMORY)
+    loose = known.loose_structure('memory', measured)
+    assert not loose, f'{pair.name}: {loose}'
     return [f'memory differs within the declared bound (NNX {", ".join(drift)}; at most'
             f' {known.max_temp_bytes:,} B of temporaries, {", ".join(known.paths)}: {known.reason})']
   linen, nnx_ = runs.compiled('linen'), runs.compiled('nnx')
@@ -743,12 +749,16 @@ def check_program(pair: adapter.Pair) -> list[str]:
   runs = _runs(pair)
   linen, nnx_ = runs.compiled('linen'), runs.compiled('nnx')
   d = runner.program_diff_of(linen, nnx_)
-  if d.identical:
-    return []
   known = pair.program_difference()
+  if d.identical:
+    loose = '' if known is None else known.loose_structure('program', None)
+    assert not loose, f'{pair.name}: {loose}'
+    return []
   # Confined to the declared modules: with their operations left out, the rest is identical.
   outside = None if known is None else runner.program_diff_of(linen, nnx_, tuple(known.paths))
   if known is not None and known.admits_program(d, outside):
+    loose = known.loose_structure('program', d.changed_lines)
+    assert not loose, f'{pair.name}: {loose}'
     return [f'{d.changed_lines} canonical lines (declared bound {known.max_changed_lines},'
             f' {", ".join(known.paths)}: {known.reason}); identical outside those modules']
   if known is None or d.changed_lines > known.max_changed_lines:

@@ -181,9 +181,9 @@ class KnownDifference:
   `substitute`, a `make_sides(mesh)` whose sides have the declared difference
   removed (the NNX module given the Linen function, say); the battery's
   `substitution` part runs the pair with it and requires every value bit for
-  bit, so the declared modules are the only source. A bound must be tight:
-  at most `TIGHTNESS` times the largest difference measured under it, and
-  something must differ. A pattern covering a whole collection
+  bit, so the declared modules are the only source. Every bound must be
+  tight (values, program lines and temporaries alike): at most `TIGHTNESS`
+  times the largest difference measured under it, and something must differ. A pattern covering a whole collection
   (`params/*`, `*`) is not a module's and is refused.
   """
 
@@ -237,6 +237,22 @@ class KnownDifference:
       out.append(f'{what} is loose: the measured maximum is {measured} ULP; declare max_ulp={measured}'
                  f' (a bound may be at most {TIGHTNESS} times what is measured)')
     return out
+
+  def loose_structure(self, pass_name: str, measured: int | None) -> str:
+    """Why this program or memory bound is not accepted given what was measured under it
+    (changed canonical lines, or the largest temporaries' or peak's difference in bytes; None:
+    nothing differs there at all): vacuous or loose. '' when accepted."""
+    field, unit = (('max_changed_lines', 'canonical lines') if pass_name == 'program'
+                   else ('max_temp_bytes', 'B of temporaries'))
+    bound = getattr(self, field)
+    what = f'KnownDifference({self.paths}, {pass_name!r}, {field}={bound})'
+    if measured is None:
+      return (f'{what}: nothing differs under it (the {pass_name} is the same on both sides):'
+              f" remove {pass_name!r} from its passes")
+    if bound > TIGHTNESS * measured:
+      return (f'{what} is loose: the measured figure is {measured} {unit}; declare {field}={measured}'
+              f' (a bound may be at most {TIGHTNESS} times what is measured)')
+    return ''
 
   def admits_program(self, diff: Any, outside: Any) -> bool:
     """The rule for a declared program difference, one place for the battery and the runner:
