@@ -531,4 +531,4 @@ def test_compare_decode_fails_on_a_decoding_step_whose_program_differs(monkeypat
   rows = {line.split('  ')[0]: line for line in captured.out.splitlines()}
   assert 'differs (NNX argument_bytes +' in rows['Memory (decode step)'], rows['Memory (decode step)']
   assert 'programs differ' in rows['Decode-step program'], rows['Decode-step program']
-  assert 'the numbers match but memory or the program differs' in captured.err
+  assert 'the numbers match but not the program (the decoding step)' in captured.err, captured.err

@@ -121,3 +121,19 @@ def test_compare_accepts_the_declared_loop_and_exits_0(tmp_path, capsys):
   result = json.loads(out.read_text())
   assert result['bitwise_equal'] and result['same_program'], result
   assert result['memory_verdict'].startswith('differs within the declared bound'), result['memory_verdict']
+
+
+@pytest.mark.xdist_group('parity-rnn')
+def test_an_nnx_loss_with_aux_outputs_is_taken_with_has_aux():
+  """An NNX loss returning (loss, aux), as a Linen one may (`has_aux=True` on both sides): the kit
+  differentiates the loss alone, and the gradients and the localizer compare as before."""
+  from parity.battery import checks
+
+  def with_logits(model, batch, key):
+    return nnx_rnn.loss_fn(model, batch, key), model(batch['tokens'][:, :-1])
+
+  def sides(mesh):
+    linen, nnx_side = make_sides(mesh)
+    return linen, dataclasses.replace(nnx_side, loss=with_logits, has_aux=True)
+
+  checks.check_grads(_pair('rnn_aux', sides, parts=('grads',)))

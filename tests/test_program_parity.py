@@ -146,3 +146,27 @@ def test_operands_of_an_optimization_barrier_in_another_order_are_the_same_progr
   names = dict(linen_args=['x', 'y'], nnx_args=['x', 'y'])
   assert programs.diff(_barrier_program('sc'), _barrier_program('cs'), **names).identical
   assert not programs.diff(_barrier_program('sc'), _barrier_program('cs', real=True), **names).identical
+
+
+def _cond_program(order: str, factor: float = 2.0) -> str:
+  """A jitted lax.cond returning (x * factor, x + 1) on one branch, (x, x - 1) on the other,
+  in `order` ('ab' or 'ba'), as two pytrees in other path orders return their leaves."""
+
+  def f(p, x):
+    pairs = (lambda x: (x * factor, x + 1.0), lambda x: (x, x - 1.0))
+    if order == 'ba':
+      b, a = jax.lax.cond(p > 0, *(lambda x, g=g: g(x)[::-1] for g in pairs), x)
+    else:
+      a, b = jax.lax.cond(p > 0, *pairs, x)
+    return a, b
+
+  return jax.jit(f).lower(1, jnp.ones(3)).as_text()
+
+
+def test_a_conditional_returning_its_values_in_another_order_is_the_same_program():
+  """optax's MultiSteps returns the optimizer state through lax.cond in each side's pytree
+  order: the canonical program orders a conditional's results by what its branches return,
+  and a real difference inside a branch still shows."""
+  names = dict(linen_args=['p', 'x'], nnx_args=['p', 'x'])
+  assert programs.diff(_cond_program('ab'), _cond_program('ba'), **names).identical
+  assert not programs.diff(_cond_program('ab'), _cond_program('ba', factor=3.0), **names).identical

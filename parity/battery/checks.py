@@ -25,6 +25,7 @@ from parity.core.errors import TreeMismatchError
 from parity.core import rng
 from parity.compare import activations
 from parity.pairs import adapter
+from parity.pairs import correspond
 from parity.core import bitwise
 from parity.store import checkpoints
 from parity.procs import distributed
@@ -768,7 +769,7 @@ def check_program(pair: adapter.Pair) -> list[str]:
                if outside.identical else f'; outside those modules too: {outside.summary(loop_growth=False)}')
     raise AssertionError(
         f'{pair.name}: {d.summary()}'
-        + ('' if known is None else
+        + (_suggested_declaration(pair, runs, d) if known is None else
            f' (declared bound {known.max_changed_lines} lines in {", ".join(known.paths)}:'
            f' {known.reason}{where})')
         + ''.join(f'\n{line}' for line in d.parting_lines()) + f'\n{d.diff}'
@@ -778,6 +779,49 @@ def check_program(pair: adapter.Pair) -> list[str]:
       f' {outside.summary()} (their operations left out; an NNX side names its module calls'
       f' for this, parity/compare/scopes.py)' + ''.join(f'\n{line}' for line in outside.parting_lines())
       + f'\n{outside.diff}'
+  )
+
+
+# flax's stock layers whose Linen and NNX versions lower otherwise (the same numbers): the
+# program part tries them as a declaration when a pair's programs differ and it declares none.
+STOCK_LOWERINGS = ('LayerNorm', 'BatchNorm', 'GroupNorm', 'RMSNorm', 'MultiHeadDotProductAttention',
+                   'SelfAttention')
+
+
+def _suggested_declaration(pair: adapter.Pair, runs: _Runs, d: programs.ProgramDiff) -> str:
+  """Where the programs are identical once the fewest kinds of flax's stock layers that lower
+  otherwise are left out: the declaration to write, its bound measured ('' where none does)."""
+  linen_side = runs.side('linen')
+  if not hasattr(linen_side, 'loss'):
+    return ''
+  try:
+    calls = correspond.linen_calls(linen_side, linen_side.init(pair.seed), pair.batch(0, 'train'),
+                                   runs.dropout_base())
+  except Exception:  # pylint: disable=broad-except  (a hint only: the failure stands without it)
+    return ''
+  by_class: dict[str, list[str]] = {}
+  for call in calls:
+    if call.cls in STOCK_LOWERINGS and call.key == call.path and call.path not in by_class.get(call.cls, []):
+      by_class.setdefault(call.cls, []).append(call.path)
+  linen, nnx_ = runs.compiled('linen'), runs.compiled('nnx')
+
+  def identical_without(classes) -> bool:
+    modules = tuple(p for c in classes for p in by_class[c])
+    return bool(modules) and runner.program_diff_of(linen, nnx_, modules).identical
+
+  kept = sorted(by_class)
+  if not identical_without(kept):
+    return ''
+  for cls in list(kept):  # the fewest kinds that still explain every difference
+    if len(kept) > 1 and identical_without([c for c in kept if c != cls]):
+      kept.remove(cls)
+  modules = [p for c in kept for p in by_class[c]]
+  return (
+      f'\nthe programs are identical outside flax\'s stock {", ".join(kept)} ({len(modules)} modules),'
+      ' whose Linen and NNX versions lower otherwise: if that is the only difference, declare it'
+      ' (and check the memory part):\n'
+      f'  parity.KnownDifference({tuple(modules)!r}, (\'program\',), max_changed_lines={d.changed_lines},'
+      f' reason="flax\'s stock {", ".join(kept)} lower differently in Linen and NNX (same numbers)")'
   )
 
 

@@ -247,6 +247,8 @@ class _Statement:
 # A reference to a value, or to one result of a multi-result operation.
 _REF = re.compile(r'(%[A-Za-z_][\w$.-]*|%\d+)(#\d+)?')
 _WHILE = re.compile(r'^(%_(?::\d+)?) = stablehlo\.while\((.*)\) : (.*)$')
+_CASE = re.compile(r'^%_(?::\d+)? = "stablehlo\.(?:case|if)"\(')
+_RESULT_TYPES = re.compile(r'^(.*-> )\((.*)\)$')
 _BARRIER = re.compile(r'^(%_(?::\d+)?) = stablehlo\.optimization_barrier (.*) : (.*)$')
 _CALL_OPERANDS = re.compile(r'\bcall (@[\w$.-]+)\(([^()]*)\)')
 _CALL_LINE = re.compile(
@@ -353,6 +355,8 @@ class _Canonicalizer:
       else:
         parts.append(('region', [line]))
     out = self._while(parts, scope, depth) if _WHILE.match(header) else None
+    if out is None and _CASE.match(header):
+      out = self._case(parts, scope, depth)
     if out is None and len(parts) == 1 and _BARRIER.match(header):
       out = self._barrier(header, scope)
     if out is None:
@@ -568,6 +572,41 @@ class _Canonicalizer:
       out.extend(_INDENT + l for l in block)
       region_index += 1
     return out, position
+
+  def _case(self, parts, scope, depth) -> tuple[list[str], dict[int, int]] | None:
+    """A conditional (`stablehlo.case`, `stablehlo.if`) with its results in a canonical order.
+
+    `lax.cond` returns its branches' outputs in the pytree order of what they
+    return: optax's MultiSteps returns the whole optimizer state so, in each
+    side's order of its state's paths. Each result is keyed by its type and
+    what every branch returns for it; the branches' returns and the result
+    types are then put in key order.
+    """
+    out, _ = self._generic(parts, scope, depth)
+    blocks, current = [], None
+    for index, line in enumerate(out[1:], 1):
+      if line.startswith(_INDENT):
+        if current is None:
+          current = []
+          blocks.append(current)
+        current.append(index)
+      else:
+        current = None
+    m = _RESULT_TYPES.match(out[-1])
+    if not blocks or m is None:
+      return None
+    types = _split_top_level(m.group(2))
+    returns = [_return_operands(out[block[-1]]) for block in blocks]
+    if any(r is None or len(r) != len(types) for r in returns):
+      return None
+    order, _ = _canonical_indices(['|'.join([types[i]] + [r[i] for r in returns]) for i in range(len(types))])
+    for block in blocks:
+      permuted = _permute_return(out[block[-1]], order)
+      if permuted is None:
+        return None
+      out[block[-1]] = permuted
+    out[-1] = f'{m.group(1)}({", ".join(types[i] for i in order)})'
+    return out, {old: new for new, old in enumerate(order)}
 
   def _block(self, lines: list[str], scope: dict[str, str], depth: int) -> list[str]:
     """A block's canonical lines: live statements, once each, in canonical order."""

@@ -310,6 +310,8 @@ class StockNnx(_Stock):
   loss: Callable[..., Any]
   renames: bridge_stock.Renames = bridge_stock.Renames()
   mesh: jax.sharding.Mesh | None = None
+  # `loss` returns (loss, aux), as StockLinen's `has_aux`: the kit differentiates the loss alone.
+  has_aux: bool = False
   batch_axis: str = 'data'
   rules: tuple[tuple[str, Any], ...] | None = None  # logical axis rules (None: replicate the state)
   name: str = 'nnx'
@@ -504,12 +506,17 @@ class StockNnx(_Stock):
           model, lambda m: self.decode_fn(m, prompt, steps, key, temperature), self.renames.to_linen,
           lambda key: calls.get(key, key))
 
+  def _loss_value(self, model, batch, key):
+    """The loss alone (with `has_aux`, the first of what `loss` returns)."""
+    value = self.loss(model, batch, key)
+    return value[0] if self.has_aux else value
+
   @functools.cached_property
   def _value_and_grads(self):
     def fn(state, batch, key):
       model, _ = self._merge(state)
       with self._dropout_context(model):
-        loss, grads = nnx.value_and_grad(self.loss)(model, batch, key)
+        loss, grads = nnx.value_and_grad(self._loss_value)(model, batch, key)
       return loss, {
           'params/' + self.renames.to_linen(p): g for p, g in paths.flatten(grads).items()
       }
@@ -580,5 +587,5 @@ class StockNnx(_Stock):
     with self._context():
       calls = dict(self.call_keys)
       with self._dropout_context():  # the probe tags the model's paths itself
-        return localize.nnx_probe(self.loss, self.graphdef, state, batch, dropout_key, self.renames,
+        return localize.nnx_probe(self._loss_value, self.graphdef, state, batch, dropout_key, self.renames,
                                   call_key=lambda key: calls.get(key, key))

@@ -202,7 +202,12 @@ def cmd_compare(args) -> int:
   if not result.bitwise_equal:
     return 1
   if not (args.numbers_only or result.same_program):
-    print('parity: the numbers match but memory or the program differs (see above);'
+    what = [f'{name}: {verdict}' for name, verdict in (
+        ('train-step memory', result.memory_verdict), ('train-step program', result.program_verdict))
+        if verdict.startswith('differs')]
+    if result.decode is not None and not result.decode.same_program:
+      what.append('the decoding step')
+    print(f'parity: the numbers match but not the program ({"; ".join(what) or "see above"});'
           ' --numbers-only compares the numbers alone', file=sys.stderr)
     return 1
   return 0
