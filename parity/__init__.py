@@ -35,6 +35,8 @@ _EXPORTS = {
     'Renames': ('parity.pairs.stock_layout', 'Renames'),
     'PARTS': ('parity.battery.parts', 'PARTS'),
     'DIRECTIONS': ('parity.battery.parts', 'DIRECTIONS'),
+    # a stock NNX layer computing as its Linen counterpart, for a declared difference's substitute
+    'linen_attention': ('parity.pairs.substitutes', 'linen_attention'),
     # dropout keys both sides derive alike
     'base_key': ('parity.core.rng', 'base_key'),
     'step_key': ('parity.core.rng', 'step_key'),

@@ -1,7 +1,7 @@
 """The encoder family, through the plugin only: flax's stock attention, norm and embedding.
 
 `encoder`: the NNX attention is given Linen's formula
-(models/nnx/encoder.linen_dot_product_attention); the whole battery is bitwise.
+(`parity.linen_attention`); the whole battery is bitwise.
 
 `encoder_stock_attention`: both sides' stock defaults. The localizer names the
 difference (forward pass, inside each attention module, between its q/k/v
@@ -281,6 +281,8 @@ def test_a_substitution_that_does_not_remove_the_difference_fails():
   message = str(e.value)
   assert 'the pair is still not bit-identical, so the declared modules are not the only difference' in message
   assert 'MultiHeadDotProductAttention_0' in message
+  # The localizer's finding says what differs in flax's stock attention, and the kit's stand-in.
+  assert "is flax's stock attention" in message and 'attention_fn=parity.linen_attention' in message, message
 
 
 @pytest.mark.xdist_group('parity-encoder')

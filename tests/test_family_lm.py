@@ -12,7 +12,7 @@ from models.linen import lm as linen_lm
 from models.nnx import lm as nnx_lm
 
 # NNX's stock attention sums its products in another layout than Linen's (other bits):
-# the NNX side is given Linen's formula, as the encoder's pair does (models/nnx/encoder.py).
+# the NNX side is given Linen's formula (parity.linen_attention), as the encoder's pair does.
 CFG = LmConfig(nnx_attention='linen')
 
 

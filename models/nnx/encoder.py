@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import parity
 from parity.core import compat
 from models.families import ENCODER_ACTIVATION_AXES, ENCODER_AXES, EncoderConfig
 
@@ -36,21 +37,8 @@ def _linear(n_in: int, n_out: int, name: str, rngs: nnx.Rngs) -> nnx.Linear:
                     bias_metadata=_axes(f'{name}_bias'), rngs=rngs)
 
 
-def linen_dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal=False, module=None, **kwargs):
-  """flax.linen's attention as an `nnx.MultiHeadAttention` attention_fn.
-
-  The stock NNX path (`jax.nn.dot_product_attention`) multiplies the logits
-  by 1/sqrt(head_dim) after q.k; Linen divides the query before it. Same
-  constant, other rounding: outputs and query/key gradients differ by a few
-  ULP unless head_dim is a power of 4. This keeps Linen's order.
-  """
-  del module  # NNX passes it to sow attention weights; nothing is sown here
-  if is_causal:
-    raise NotImplementedError('is_causal: pass a causal mask instead')
-  return nn.dot_product_attention(query, key, value, bias, mask, **kwargs)
-
-
-ATTENTION_FNS = {'stock': nnx.dot_product_attention, 'linen': linen_dot_product_attention}
+# 'linen': flax.linen's formula (the kit's stand-in), the substitution of the stock attention's difference.
+ATTENTION_FNS = {'stock': nnx.dot_product_attention, 'linen': parity.linen_attention}
 
 
 class EncoderLayer(nnx.Module):

@@ -168,7 +168,7 @@ class _Runs:
     module = found['path']
     streams = [p for p in streams_of() if p == module or p.startswith(module + '/')]
     if not streams:
-      return self.dropout_scheme_lines(module)
+      return self.dropout_scheme_lines(module) or stock_attention_lines(module)
     return [f'{module} draws from an RNG stream kept in the NNX model ({", ".join(streams)}), which'
             ' a Linen TrainState does not hold, so its masks cannot be those of Linen\'s make_rng:'
             ' derive the key from the step (dropout_base) and pass it at the call on both sides,'
@@ -786,6 +786,17 @@ def check_program(pair: adapter.Pair) -> list[str]:
 # program part tries them as a declaration when a pair's programs differ and it declares none.
 STOCK_LOWERINGS = ('LayerNorm', 'BatchNorm', 'GroupNorm', 'RMSNorm', 'MultiHeadDotProductAttention',
                    'SelfAttention')
+
+
+def stock_attention_lines(module: str) -> list[str]:
+  """Why flax's stock attention differs and the fix, when it is the first module that differs."""
+  if not module.rsplit('/', 1)[-1].startswith(('MultiHeadDotProductAttention', 'SelfAttention')):
+    return []
+  return [f"{module} is flax's stock attention: Linen's divides the query by sqrt(head_dim) before"
+          " q.k, nnx.MultiHeadAttention's default (jax.nn.dot_product_attention) multiplies the logits"
+          ' by 1/sqrt(head_dim) after it, other rounding unless head_dim is a power of 4. Give the NNX'
+          ' module Linen\'s formula (attention_fn=parity.linen_attention); to keep the stock one, declare'
+          ' the difference with that as its substitute (docs/plugin.md, "A value bound is proven and tight")']
 
 
 def _suggested_declaration(pair: adapter.Pair, runs: _Runs, d: programs.ProgramDiff) -> str:
