@@ -1,4 +1,4 @@
-"""The fifth family: a recurrent language model from flax's stock layers (`nn.RNN` over an
+"""The sixth family: a recurrent language model from flax's stock layers (`nn.RNN` over an
 `nn.LSTMCell` against `nnx.RNN` over an `nnx.LSTMCell`), with stock dropout on, declared as a
 user would: no renames (inferred, though Linen keeps the cell beside `RNN_0` where NNX nests it
 in `rnn`), and one declared difference, the loop flax's two RNNs scan with.
