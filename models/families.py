@@ -123,6 +123,7 @@ class LmConfig:
   seq_len: int = 8
   batch_size: int = 8
   dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.0  # the stock attention's own dropout (of its weights)
   learning_rate: float = 1e-2
   seed: int = 0
   # The NNX attention's formula: 'stock' (nnx.MultiHeadAttention's default, which sums

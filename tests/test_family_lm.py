@@ -192,3 +192,33 @@ def test_an_undeclared_stock_lowering_is_named_with_the_declaration_to_write():
   declared = message.split('parity.KnownDifference(', 1)[1].splitlines()[0]
   assert all(repr(path) in declared for path in STOCK_LAYERS_PROGRAM.paths), declared
   assert 'MultiHeadDotProductAttention' not in declared, declared  # given Linen's formula: the same program
+
+
+ATTENTION_DROPOUT = dataclasses.replace(CFG, attention_dropout_rate=0.1)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group('parity-lm')
+@pytest.mark.parametrize('scheme', ['linen', 'nnx'])
+def test_the_stock_attentions_own_dropout_draws_linens_keys_too(scheme):
+  """Attention dropout (of the weights, inside flax's stock attention; Rngs at the call): with
+  Linen's keys the gradients are bit for bit; with NNX's own, the localizer names the first
+  attention, says why and gives the fix."""
+  from parity.battery import checks
+
+  def sides(mesh):
+    linen, nnx_side = make_sides(mesh, cfg=ATTENTION_DROPOUT)
+    return linen, dataclasses.replace(nnx_side, dropout_keys=scheme)
+
+  pair = parity.Pair(f'attention_dropout_{scheme}', sides, functools.partial(lm_batch, ATTENTION_DROPOUT),
+                     parts=('grads',))
+  if scheme == 'linen':
+    checks.check_grads(pair)
+    return
+  with pytest.raises(AssertionError) as failure:
+    checks.check_grads(pair)
+  message = str(failure.value)
+  module = 'DecoderBlock_0/MultiHeadDotProductAttention_0'
+  assert any(line in message for line in (f'first differs at module {module}', f'inside module {module},')), message
+  assert "flax's stock attention with its own dropout (rate 0.1)" in message, message
+  assert "dropout_keys='linen'" in message and 'scales' not in message, message

@@ -59,8 +59,8 @@ class DecoderBlock(nn.Module):
         num_heads=cfg.num_heads, qkv_features=cfg.emb_dim,
         kernel_init=_init(nn.initializers.lecun_normal(), 'embed', 'heads'),
         out_kernel_init=_init(nn.initializers.lecun_normal(), 'heads'),
-        decode=self.decode,
-    )(y, mask=mask)
+        decode=self.decode, dropout_rate=cfg.attention_dropout_rate,
+    )(y, mask=mask, deterministic=not train)
     x = x + nn.Dropout(cfg.dropout_rate)(y, deterministic=not train)
     return x + MlpBlock(cfg)(nn.LayerNorm()(x), train)
 

@@ -59,13 +59,14 @@ class DecoderBlock(nnx.Module):
         attention_fn=ATTENTION_FNS[cfg.nnx_attention],
         kernel_init=_init(nnx.initializers.lecun_normal(), 'embed', 'heads'),
         out_kernel_init=_init(nnx.initializers.lecun_normal(), 'heads'),
+        dropout_rate=cfg.attention_dropout_rate, keep_rngs=False,  # keys come at the call
     )
     self.dropout = nnx.Dropout(cfg.dropout_rate)
     self.ln2 = nnx.LayerNorm(cfg.emb_dim, rngs=rngs)
     self.mlp = MlpBlock(cfg, rngs=rngs)
 
   def __call__(self, x, mask, train: bool, rngs: nnx.Rngs | None = None):
-    y = self.attention(self.ln1(x), mask=mask)
+    y = self.attention(self.ln1(x), mask=mask, deterministic=not train, rngs=rngs)
     x = x + self.dropout(y, deterministic=not train, rngs=rngs)
     return x + self.mlp(self.ln2(x), train, rngs)
 

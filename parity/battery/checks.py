@@ -17,8 +17,10 @@ from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
 import jax
+from flax import nnx
 import numpy as np
 
+from parity.core import compat
 from parity.core import paths
 from parity.core import specs as specs_lib
 from parity.core.errors import TreeMismatchError
@@ -26,6 +28,7 @@ from parity.core import rng
 from parity.compare import activations
 from parity.pairs import adapter
 from parity.pairs import correspond
+from parity.pairs import substitutes
 from parity.core import bitwise
 from parity.store import checkpoints
 from parity.procs import distributed
@@ -166,14 +169,46 @@ class _Runs:
     if found is None or streams_of is None:
       return []
     module = found['path']
+    attention = self.nnx_attention(module)
+    if attention is not None:  # its kept stream, if any, draws only where no Rngs comes at the call
+      return self.attention_lines(module, attention)
     streams = [p for p in streams_of() if p == module or p.startswith(module + '/')]
     if not streams:
-      return self.dropout_scheme_lines(module) or stock_attention_lines(module)
+      if module.rsplit('/', 1)[-1].startswith(('MultiHeadDotProductAttention', 'SelfAttention')):
+        return stock_attention_lines(module)  # by its Linen name, where the NNX module is not found
+      return self.dropout_scheme_lines(module)
     return [f'{module} draws from an RNG stream kept in the NNX model ({", ".join(streams)}), which'
             ' a Linen TrainState does not hold, so its masks cannot be those of Linen\'s make_rng:'
             ' derive the key from the step (dropout_base) and pass it at the call on both sides,'
             ' as `nn.Dropout(...)(x, rng=key)` and `nnx.Dropout(...)(x, rngs=key)`'
             ' (docs/plugin.md, "Stock dropout")']
+
+  def nnx_attention(self, module: str) -> Any:
+    """The NNX side's `nnx.MultiHeadAttention` at Linen path `module` (a fresh model's), or None."""
+    side = self.side('nnx')
+    if not hasattr(side, 'create') or not hasattr(side, 'renames'):
+      return None
+    try:
+      with compat.eager_sharding_off():
+        node = side.create(self.pair.seed)[0]
+      for name in side.renames.to_nnx(module).split('/'):
+        node = node[int(name)] if name.isdigit() else getattr(node, name)
+    except Exception:  # pylint: disable=broad-except  (a hint only)
+      return None
+    return node if isinstance(node, nnx.MultiHeadAttention) else None
+
+  def attention_lines(self, module: str, attention: Any) -> list[str]:
+    """Why flax's stock attention at `module` differs, and the fix."""
+    scheme = getattr(self.side('nnx'), 'dropout_keys', None)
+    if attention.dropout_rate and scheme != 'linen':
+      return [f"{module} is flax's stock attention with its own dropout (rate {attention.dropout_rate}):"
+              " Linen's draws make_rng('dropout') in the attention's scope, NNX's the Rngs given at the"
+              " call (or a stream it keeps): their masks cannot be equal. Pass the Rngs at the call and"
+              " give the NNX side Linen's keys: StockNnx(..., dropout_keys='linen')"
+              ' (docs/plugin.md, "Stock dropout")']
+    if attention.attention_fn is not substitutes.linen_attention:
+      return stock_attention_lines(module)
+    return []
 
   def dropout_scheme_lines(self, module: str) -> list[str]:
     """Which key scheme each side's dropout uses, when the first differing module is a dropout."""
@@ -789,9 +824,7 @@ STOCK_LOWERINGS = ('LayerNorm', 'BatchNorm', 'GroupNorm', 'RMSNorm', 'MultiHeadD
 
 
 def stock_attention_lines(module: str) -> list[str]:
-  """Why flax's stock attention differs and the fix, when it is the first module that differs."""
-  if not module.rsplit('/', 1)[-1].startswith(('MultiHeadDotProductAttention', 'SelfAttention')):
-    return []
+  """Why flax's stock attention differs in its default formula, and the fix."""
   return [f"{module} is flax's stock attention: Linen's divides the query by sqrt(head_dim) before"
           " q.k, nnx.MultiHeadAttention's default (jax.nn.dot_product_attention) multiplies the logits"
           ' by 1/sqrt(head_dim) after it, other rounding unless head_dim is a power of 4. Give the NNX'

@@ -12,7 +12,9 @@ model: while the kit traces the NNX side, each `nnx.Dropout` call given an
 `nnx.Rngs` or `RngStream` *at the call* draws instead the key Linen's
 `make_rng('dropout')` gives its corresponding Linen call (its path through
 the pair's correspondences, its count), from the stream's key as Linen's
-root key. The stream still advances as it would. What stays unproven is
+root key. So does the attention dropout of an `nnx.MultiHeadAttention`
+given one at the call (Linen's `MultiHeadDotProductAttention` draws
+`make_rng('dropout')` in its own scope). The stream still advances as it would. What stays unproven is
 the key derivation itself, which is each framework's own; everything the
 masks feed is compared bit for bit.
 
@@ -75,8 +77,37 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {}) -> Iterator[collection
     key = compat.linen_make_rng(root, linen_path.split('/') if linen_path else [], count)
     return original(self, inputs, deterministic=deterministic, rngs=key)
 
+  original_attention = nnx.MultiHeadAttention.__call__
+
+  def attention(self, *args, rngs=None, **kwargs):
+    """`nnx.MultiHeadAttention` given an Rngs or stream at the call: its attention dropout draws
+    (`rngs()`, where it draws at all) the key Linen's draws with make_rng('dropout') in its scope."""
+    path = scopes.tagged_path(self)
+    if path is None or not isinstance(rngs, (nnx.Rngs, nnx.RngStream)) or not self.dropout_rate:
+      return original_attention(self, *args, rngs=rngs, **kwargs)
+    forward = id(rngs)
+    seen.append(rngs)
+    n = nnx_calls[forward, path]
+    nnx_calls[forward, path] += 1
+    stream = rngs['dropout'] if isinstance(rngs, nnx.Rngs) else rngs
+    call = path if n == 0 else f'{path}#{n}'
+
+    def draw():
+      root = stream.key[...]
+      stream()  # the stream advances as the draw it replaces would advance it
+      linen_call = call_keys.get(call, call)
+      linen_path = linen_call.split('#', 1)[0]
+      linen_counts[forward, linen_path] += 1
+      substituted[linen_call] += 1
+      return compat.linen_make_rng(root, linen_path.split('/') if linen_path else [],
+                                   linen_counts[forward, linen_path])
+
+    return original_attention(self, *args, rngs=draw, **kwargs)
+
   nnx.Dropout.__call__ = __call__
+  nnx.MultiHeadAttention.__call__ = attention
   try:
     yield substituted
   finally:
     nnx.Dropout.__call__ = original
+    nnx.MultiHeadAttention.__call__ = original_attention
