@@ -83,9 +83,9 @@ def test_a_broken_pair_fails_with_the_bitwise_report_and_the_localizer(user_proj
   assert '<property name="declared_differences" value="[]"' in (user_project.path / 'report.xml').read_text()
   result.stdout.fnmatch_lines([
       '*broken: loss and gradients are not bit-identical*(values: Linen vs NNX)',
-      '*params/Dense_0/kernel: bits: float32*max ULP distance*',
-      '*localizer (step 0, train mode):*',
+      '*localizer (step 0, train mode):*',  # the finding first, then the leaves that differ
       '*forward pass: first differs at module Dropout_0*',
+      '*params/Dense_0/kernel: bits: float32*max ULP distance*',
   ])
   # The failure shows the test's line and the message, not the battery's source.
   result.stdout.no_fnmatch_line('*raise _with_localization*')

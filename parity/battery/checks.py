@@ -349,7 +349,10 @@ def _with_localization(
     metric_diffs: Sequence[bitwise.LeafDiff] = (), part: str = 'train',
 ) -> AssertionError:
   lines = _runs(pair).localization_lines(step, init_side, metric_diffs, part)
-  return AssertionError(f'{error}\nlocalizer (step {step}, train mode):\n  ' + '\n  '.join(lines))
+  # The finding right after the headline, before the leaves that differ (a list to scroll).
+  head, _, leaves = str(error).partition('\n')
+  return AssertionError(f'{head}\nlocalizer (step {step}, train mode):\n  ' + '\n  '.join(lines)
+                        + (f'\n{leaves}' if leaves else ''))
 
 
 def per_step(metrics: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -865,7 +868,8 @@ def _suggested_declaration(pair: adapter.Pair, runs: _Runs, d: programs.ProgramD
       ' whose Linen and NNX versions lower otherwise: if that is the only difference, declare it'
       ' (and check the memory part):\n'
       f'  parity.KnownDifference({tuple(modules)!r}, (\'program\',), max_changed_lines={d.changed_lines},'
-      f' reason="flax\'s stock {", ".join(kept)} lower differently in Linen and NNX (same numbers)")'
+      f' reason="flax\'s stock {", ".join(kept)} {"lowers" if len(kept) == 1 else "lower"} differently in Linen'
+      ' and NNX (same numbers)")'
   )
 
 

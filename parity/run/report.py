@@ -239,9 +239,11 @@ class Report:
         'Step time: from dispatch to the host holding that step\'s loss; the two sides\''
         ' steps interleaved (order alternating); compilation timed apart (step 0 only'
         ' executes); avg and median s/step leave step 0 out.',
-        'Tokens/s and TFLOP/s per device use the avg step time; tokens are every'
-        ' position of the batch; ' + ('FLOPs are analytic, as the run counts them (below).' if r.flops is not None
-                                      else 'the run counts no FLOPs (TFLOP/s n/a).'),
+        'Tokens/s and TFLOP/s per device use the avg step time; '
+        + ('tokens are every position of the batch; ' if r.tokens_per_step is not None
+           else 'the run counts no tokens (a pair\'s batch is its own); ')
+        + ('FLOPs are analytic, as the run counts them (below).' if r.flops is not None
+           else 'the run counts no FLOPs (TFLOP/s n/a).'),
         'Memory: XLA memory analysis of each compiled train step (per device); the verdict'
         ' compares arguments, outputs, temporaries, aliased and peak bytes.',
         ('Program: both train steps canonicalised (arguments named by state path) and'
