@@ -123,6 +123,7 @@ def test_compare_accepts_the_declared_loop_and_exits_0(tmp_path, capsys):
   assert result['memory_verdict'].startswith('differs within the declared bound'), result['memory_verdict']
 
 
+@pytest.mark.exhaustive  # a pair's own compiles (time); every pair's grads part runs the loss path around it
 @pytest.mark.xdist_group('parity-rnn')
 def test_an_nnx_loss_with_aux_outputs_is_taken_with_has_aux():
   """An NNX loss returning (loss, aux), as a Linen one may (`has_aux=True` on both sides): the kit

@@ -170,3 +170,35 @@ def test_a_conditional_returning_its_values_in_another_order_is_the_same_program
   names = dict(linen_args=['p', 'x'], nnx_args=['p', 'x'])
   assert programs.diff(_cond_program('ab'), _cond_program('ba'), **names).identical
   assert not programs.diff(_cond_program('ab'), _cond_program('ba', factor=3.0), **names).identical
+
+
+def _scanned_in_a_module(order: str) -> str:
+  """A scan inside module `RNN_0` carrying (w, v) in `order` ('ab' or 'ba'), as flax's two RNNs
+  carry a cell's parameters in other orders; the rest of the program reads both results."""
+
+  def body(carry, x):
+    a, b = carry
+    return (a * x, b + x), a
+
+  def swapped(carry, x):
+    (a, b), y = body(carry[::-1], x)
+    return (b, a), y
+
+  def f(w, v, xs):
+    with jax.named_scope('RNN_0'):
+      if order == 'ab':
+        (a, b), ys = jax.lax.scan(body, (w, v), xs)
+      else:
+        (b, a), ys = jax.lax.scan(swapped, (v, w), xs)
+    return a.sum() + b.sum(), ys
+
+  return jax.jit(f).lower(jnp.ones(3), jnp.ones((2, 3)), jnp.ones((4, 3))).as_text(debug_info=True)
+
+
+def test_a_loop_inside_a_declared_module_is_that_modules_own():
+  """Undeclared, a loop carrying the same values in another order is named; with its module left
+  out, its results are matched by type and initial value and the programs are the same."""
+  names = dict(linen_args=['w', 'v', 'xs'], nnx_args=['w', 'v', 'xs'])
+  linen, nnx_ = _scanned_in_a_module('ab'), _scanned_in_a_module('ba')
+  assert 'carries the same 5 values in another order' in programs.diff(linen, nnx_, **names).loop_order
+  assert programs.diff(linen, nnx_, **names, opaque_modules=('RNN_0',)).identical

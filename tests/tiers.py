@@ -29,7 +29,7 @@ weighing the same), fp8 state (not updated) or remat policy (saving
 everything: another program and other temporaries). Then the convolutional
 classifier (on `data=8` too), the encoder (stock attention's declared
 difference named by the localizer), the language model, the recurrent
-model's inferred pairing and declared loop, the production-shaped pair and
+model's inferred pairing, the production-shaped pair and
 the half-migrated steps; the localizer's own tests on small
 planted breaks; the bridge, comparison, report, converter, launcher and
 plugin tests that compile little (a pair declared in a fresh directory
@@ -103,11 +103,11 @@ EXHAUSTIVE_PARTS = {
        ' rules (specs), the 5-axis mesh factory (mesh), its RNG state accounted (memory) and the'
        ' scan and remat implementations as one program (program)'
        for part in ('init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'localize')},
-    **{('rnn', part): "the recurrent pair's numbers, checkpoints and placements: stock layers as the"
-       ' language model proves them; the core tier keeps what is its own, the inferred pairing'
-       " (structure) and flax's two RNN loops as one program declared (program)"
+    **{('rnn', part): "the recurrent pair's numbers, checkpoints, placements and programs: stock layers"
+       ' as the language model proves them; the core tier keeps the inferred pairing (structure),'
+       " and a declared module's own loop on a small program (tests/test_program_parity.py)"
        for part in ('specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'mesh', 'memory',
-                    'localize')},
+                    'program', 'localize')},
     ('lm', 'checkpoints'): 'checkpoints in four directions: the classifier and encoder pairs run them',
     ('lm', 'resume'): 'resume across sides: the classifier and encoder pairs run it',
     ('decoder_11_composite_accum', 'grads'):
