@@ -48,61 +48,52 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {}) -> Iterator[collection
   substituted, by Linen call.
   """
   original = nnx.Dropout.__call__
+  original_attention = nnx.MultiHeadAttention.__call__
   # Counted per Rngs object passed, as Linen counts per `apply`: one forward pass each.
   nnx_calls: collections.Counter = collections.Counter()
   linen_counts: collections.Counter = collections.Counter()
   substituted: collections.Counter = collections.Counter()
   seen: list = []  # the Rngs objects counted, kept alive so that their ids stay theirs
 
-  def __call__(self, inputs, *, deterministic=None, rngs=None):
-    path = scopes.tagged_path(self)
+  def call_of(module, rngs) -> tuple[int, str] | None:
+    """(the forward pass, the NNX call `path#n`) of a tagged module given an Rngs or stream at
+    the call, counted; None for any other call (left as it is)."""
+    path = scopes.tagged_path(module)
     if path is None or not isinstance(rngs, (nnx.Rngs, nnx.RngStream)):
-      return original(self, inputs, deterministic=deterministic, rngs=rngs)
+      return None
     seen.append(rngs)
-    forward = id(rngs)
-    n = nnx_calls[forward, path]
-    nnx_calls[forward, path] += 1
-    off = deterministic if deterministic is not None else self.deterministic
-    if off or self.rate == 0.0 or self.rate == 1.0:
-      return original(self, inputs, deterministic=deterministic, rngs=rngs)
-    stream = rngs[self.rng_collection] if isinstance(rngs, nnx.Rngs) else rngs
+    n = nnx_calls[id(rngs), path]
+    nnx_calls[id(rngs), path] += 1
+    return id(rngs), path if n == 0 else f'{path}#{n}'
+
+  def linen_key(forward: int, call: str, stream):
+    """The key Linen's make_rng('dropout') gives the Linen call of NNX `call`, from the stream's
+    key as Linen's root; the stream advances as the draw it replaces would advance it."""
     root = stream.key[...]
-    stream()  # the stream advances as the draw it replaces would advance it
-    call = path if n == 0 else f'{path}#{n}'
+    stream()
     linen_call = call_keys.get(call, call)
     linen_path = linen_call.split('#', 1)[0]
     linen_counts[forward, linen_path] += 1
     substituted[linen_call] += 1
-    count = linen_counts[forward, linen_path]
-    key = compat.linen_make_rng(root, linen_path.split('/') if linen_path else [], count)
-    return original(self, inputs, deterministic=deterministic, rngs=key)
+    return compat.linen_make_rng(root, linen_path.split('/') if linen_path else [],
+                                 linen_counts[forward, linen_path])
 
-  original_attention = nnx.MultiHeadAttention.__call__
+  def __call__(self, inputs, *, deterministic=None, rngs=None):
+    found = call_of(self, rngs)
+    off = deterministic if deterministic is not None else self.deterministic
+    if found is None or off or self.rate == 0.0 or self.rate == 1.0:
+      return original(self, inputs, deterministic=deterministic, rngs=rngs)
+    stream = rngs[self.rng_collection] if isinstance(rngs, nnx.Rngs) else rngs
+    return original(self, inputs, deterministic=deterministic, rngs=linen_key(*found, stream))
 
   def attention(self, *args, rngs=None, **kwargs):
     """`nnx.MultiHeadAttention` given an Rngs or stream at the call: its attention dropout draws
     (`rngs()`, where it draws at all) the key Linen's draws with make_rng('dropout') in its scope."""
-    path = scopes.tagged_path(self)
-    if path is None or not isinstance(rngs, (nnx.Rngs, nnx.RngStream)) or not self.dropout_rate:
+    found = call_of(self, rngs) if self.dropout_rate else None
+    if found is None:
       return original_attention(self, *args, rngs=rngs, **kwargs)
-    forward = id(rngs)
-    seen.append(rngs)
-    n = nnx_calls[forward, path]
-    nnx_calls[forward, path] += 1
     stream = rngs['dropout'] if isinstance(rngs, nnx.Rngs) else rngs
-    call = path if n == 0 else f'{path}#{n}'
-
-    def draw():
-      root = stream.key[...]
-      stream()  # the stream advances as the draw it replaces would advance it
-      linen_call = call_keys.get(call, call)
-      linen_path = linen_call.split('#', 1)[0]
-      linen_counts[forward, linen_path] += 1
-      substituted[linen_call] += 1
-      return compat.linen_make_rng(root, linen_path.split('/') if linen_path else [],
-                                   linen_counts[forward, linen_path])
-
-    return original_attention(self, *args, rngs=draw, **kwargs)
+    return original_attention(self, *args, rngs=lambda: linen_key(*found, stream), **kwargs)
 
   nnx.Dropout.__call__ = __call__
   nnx.MultiHeadAttention.__call__ = attention
