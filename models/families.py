@@ -166,8 +166,9 @@ class ProdConfig:
   """A llama-ish decoder as production code writes it: RMSNorm, rotary attention, SwiGLU MLP,
   dropout; the layers stacked and scanned, each rematerialised; logical axis names throughout.
 
-  The parity pair runs with dropout_rate 0: the NNX dropouts draw from their own streams, whose
-  masks can never be Linen's (the streams stay in the NNX state all the same).
+  Dropout on: the NNX dropouts draw from streams the model keeps, the Linen ones from
+  `make_rng`; the pair gives the NNX side Linen's keys (`StockNnx(dropout_keys='linen')`).
+  `remat_policy`: how each scanned layer is rematerialised, 'full' or 'save_dots'.
   """
 
   vocab_size: int = 64
@@ -178,12 +179,13 @@ class ProdConfig:
   num_layers: int = 3
   seq_len: int = 8
   batch_size: int = 8
-  dropout_rate: float = 0.0
+  dropout_rate: float = 0.1
   norm_epsilon: float = 1e-6
   rope_max_timescale: float = 10_000.0
   learning_rate: float = 1e-2
   warmup_steps: int = 2
   seed: int = 0
+  remat_policy: str = 'full'
 
 
 # The production mesh: five axes, in this order (pipeline stages and sequence parallelism

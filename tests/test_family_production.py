@@ -15,16 +15,25 @@ from models.linen import prod as linen_prod
 from models.nnx import prod as nnx_prod
 
 CFG = ProdConfig()
+CFG_DOTS = ProdConfig(remat_policy='save_dots')
 
 
-def make_sides(mesh):
-  return tuple(side(functools.partial(m.create_train_state, CFG), m.train_step, m.eval_step, m.loss_fn,
-                    mesh=mesh, rules=PROD_RULES, forward=m.forward)  # eval-mode logits, bit for bit
-               for side, m in ((parity.StockLinen, linen_prod), (parity.StockNnx, nnx_prod)))
+def make_sides(mesh, cfg=CFG):
+  common = dict(mesh=mesh, rules=PROD_RULES)
+  linen = parity.StockLinen(functools.partial(linen_prod.create_train_state, cfg), linen_prod.train_step,
+                            linen_prod.eval_step, linen_prod.loss_fn, forward=linen_prod.forward, **common)
+  nnx_side = parity.StockNnx(functools.partial(nnx_prod.create_train_state, cfg), nnx_prod.train_step,
+                             nnx_prod.eval_step, nnx_prod.loss_fn, forward=nnx_prod.forward,
+                             dropout_keys='linen', **common)  # its model-held streams draw Linen's keys
+  return linen, nnx_side
 
 
 production = parity.Pair('production', make_sides, functools.partial(prod_batch, CFG), mesh_factory=prod_mesh,
                          meshes=('data=2,stage=1,fsdp=2,sequence=1,tensor=2',))
+# The other remat policy: each layer keeps its dots.
+production_save_dots = parity.Pair(
+    'production_save_dots', functools.partial(make_sides, cfg=CFG_DOTS), functools.partial(prod_batch, CFG_DOTS),
+    mesh_factory=prod_mesh, meshes=('data=2,stage=1,fsdp=2,sequence=1,tensor=2',))
 # --- end of glue ---
 
 import dataclasses  # noqa: E402

@@ -4,7 +4,8 @@ Mirrors models/linen/prod.py class for class: `RMSNorm`, rotary causal
 `Attention` and a SwiGLU `Mlp` in pre-norm `Block`s with dropout. The blocks
 are made stacked by `nnx.vmap` over split `nnx.Rngs` (parameters stacked on
 axis 0 under the logical name 'layers') and run by `jax.lax.scan` over the
-state `nnx.split` gives, each layer under `jax.checkpoint`. Each dropout holds
+state `nnx.split` gives, each layer under `jax.checkpoint` (the config's remat
+policy). Each dropout holds
 its own forked stream (`nnx.Dropout(rate, rngs=rngs)`), so the model keeps
 RNG state, stacked per layer, that a Linen `TrainState` does not have; when
 a dropout draws (train mode, a rate above 0), the scan hands back the streams
@@ -24,6 +25,13 @@ import optax
 from flax import nnx
 
 from models.families import PROD_ACTIVATION_AXES, PROD_PARAM_AXES, ProdConfig
+
+
+# How each scanned layer is rematerialised (ProdConfig.remat_policy); 'full' saves nothing.
+REMAT_POLICIES = {
+    'full': None,
+    'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def _init(init, axes: str):
@@ -133,6 +141,7 @@ class Transformer(nnx.Module):
 
     self.layers = stacked(rngs)
     self.dropout_rate = cfg.dropout_rate
+    self.remat_policy = cfg.remat_policy
 
   def streams_advance(self, train: bool) -> bool:
     """Whether a forward pass draws from the dropouts' streams (train mode, a rate above 0)."""
@@ -146,7 +155,7 @@ class Transformer(nnx.Module):
     # The layer's state enters the checkpoint as an input only, as in Linen's nn.remat
     # (nnx.remat over the module would also return it). Under scan, CSE across iterations
     # cannot happen: prevent_cse=False, as the Linen side.
-    @functools.partial(jax.checkpoint, prevent_cse=False)
+    @functools.partial(jax.checkpoint, prevent_cse=False, policy=REMAT_POLICIES[self.remat_policy])
     def layer(state, x):
       block = nnx.merge(graphdef, state)
       y = block(x, deterministic=not train)

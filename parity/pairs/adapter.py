@@ -387,6 +387,10 @@ def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side,
     found = _correspondence(pair, linen, nnx_side)
     if found is not None:
       nnx_side.adopt_correspondence(found)
+  if hasattr(nnx_side, 'adopt_linen_draws'):
+    from parity.core import rng
+
+    nnx_side.adopt_linen_draws(linen, pair.batch(0, 'train'), rng.step_key(rng.base_key(pair.seed), 0, 0))
   return linen, nnx_side
 
 

@@ -8,28 +8,42 @@ next key, a count folded into the stream's key. The two can never give the
 same masks, though both are a pure function of the step's key.
 
 `StockNnx(dropout_keys='linen')` makes them equal with no change to either
-model: while the kit traces the NNX side, each `nnx.Dropout` call given an
-`nnx.Rngs` or `RngStream` *at the call* draws instead the key Linen's
-`make_rng('dropout')` gives its corresponding Linen call (its path through
-the pair's correspondences, its count), from the stream's key as Linen's
-root key. So does the attention dropout of an `nnx.MultiHeadAttention`
-given one at the call (Linen's `MultiHeadDotProductAttention` draws
-`make_rng('dropout')` in its own scope). The stream still advances as it would. What stays unproven is
-the key derivation itself, which is each framework's own; everything the
-masks feed is compared bit for bit.
+model: while the kit traces the NNX side, each `nnx.Dropout` call draws
+instead the key Linen's `make_rng('dropout')` gives its corresponding Linen
+call (its path through the pair's correspondences, its count), wherever its
+own key comes from:
 
-Not covered, and left as drawn: a stream the model keeps (`nnx.Dropout(rate,
-rngs=rngs)` in `__init__`: its key is not the step's), a key array passed at
-the call (already the same on both sides when the Linen side passes it too),
-and Linen modules inside lifted transforms (`nn.scan`, `nn.vmap`), whose
-RNGs Linen splits or folds differently.
+- an `nnx.Rngs` or stream given *at the call*: from the stream's key as
+  Linen's root key (the key the NNX step derives is the one Linen's apply
+  receives);
+- a stream the model holds (`nnx.Dropout(rate, rngs=rngs)` in `__init__`):
+  the kit seeds it, before each traced step or loss, with the root key
+  Linen's apply receives there (`seed_held_streams`: the loss's key, or in a
+  train step `parity.step_key(dropout_base, step, 0)`, as the stock Linen
+  steps derive it). A stream stacked by `nnx.vmap` over L layers (run by
+  `jax.lax.scan`, `nnx.scan` or vmapped) gets `jax.random.split(root, L)`,
+  one key per layer, which is what Linen's `nn.scan` / `nn.vmap` with
+  `split_rngs={'dropout': True}` gives each layer before folding in the
+  module's path.
+
+So does the attention dropout of an `nnx.MultiHeadAttention` (Linen's
+`MultiHeadDotProductAttention` draws `make_rng('dropout')` in its own
+scope). The stream still advances as it would. What stays unproven is the
+key derivation itself, which is each framework's own; everything the masks
+feed is compared bit for bit.
+
+Not covered, and left as drawn: a key array passed at the call (already the
+same on both sides when the Linen side passes it too), streams stacked more
+than once (a scan of scans), and Linen modules whose RNGs a lifted
+transform folds otherwise than `nn.scan` / `nn.vmap` split them.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
+import jax
 from flax import nnx
 
 from parity.core import compat
@@ -38,14 +52,50 @@ from parity.compare import scopes
 SCHEMES = ('nnx', 'linen')
 
 
+def linen_draws(traced_loss: Callable[..., Any], *args: Any) -> dict[str, tuple[int, ...]]:
+  """The counts Linen's `make_rng('dropout')` draws with, by scope path, in `traced_loss(*args)` (one
+  abstract trace of the Linen side's train-mode loss).
+
+  A count is the scope's draw number, folded into the key. Lifted transforms
+  may trace a body more than once with shared counters (`nn.scan` traces it
+  once abstractly first, so its modules draw with count 2), so each path
+  keeps the counts of the last scope object that drew there: the pass whose
+  keys are used.
+  """
+  from flax.core import scope as core_scope
+
+  original = core_scope.Scope.make_rng
+  last: dict[str, tuple[int, list[int]]] = {}
+  alive: list = []  # the scopes seen, kept so that their ids stay theirs
+
+  def make_rng(self, name: str = 'params'):
+    key = original(self, name)
+    if name == 'dropout' and self.has_rng('dropout'):
+      path = '/'.join(self.path)
+      if path not in last or last[path][0] != id(self):
+        alive.append(self)
+        last[path] = (id(self), [])
+      last[path][1].append(self.rng_counters[name])
+    return key
+
+  core_scope.Scope.make_rng = make_rng
+  try:
+    jax.eval_shape(traced_loss, *args)
+  finally:
+    core_scope.Scope.make_rng = original
+  return {path: tuple(counts) for path, (_, counts) in last.items()}
+
+
 @contextlib.contextmanager
-def linen_dropout_keys(call_keys: Mapping[str, str] = {}) -> Iterator[collections.Counter]:
+def linen_dropout_keys(call_keys: Mapping[str, str] = {},
+                       draws: Mapping[str, tuple[int, ...]] = {}) -> Iterator[collections.Counter]:
   """While active, every `nnx.Dropout` call given an Rngs or stream at the call draws Linen's key.
 
   The module's Linen path is its tag (`scopes.tag_paths` with the pair's
   renames, set by the kit before tracing); `call_keys` maps an NNX call
-  (`path#n`) to the Linen call it is. Yields a counter of the calls
-  substituted, by Linen call.
+  (`path#n`) to the Linen call it is; `draws` gives the counts Linen draws
+  with at a path (`linen_draws`; a path not in it: 1, 2, ... as a plain
+  module draws). Yields a counter of the calls substituted, by Linen call.
   """
   original = nnx.Dropout.__call__
   original_attention = nnx.MultiHeadAttention.__call__
@@ -75,24 +125,32 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {}) -> Iterator[collection
     linen_path = linen_call.split('#', 1)[0]
     linen_counts[forward, linen_path] += 1
     substituted[linen_call] += 1
-    return compat.linen_make_rng(root, linen_path.split('/') if linen_path else [],
-                                 linen_counts[forward, linen_path])
+    n = linen_counts[forward, linen_path]
+    counts = draws.get(linen_path, ())
+    count = counts[n - 1] if n <= len(counts) else n
+    return compat.linen_make_rng(root, linen_path.split('/') if linen_path else [], count)
 
   def __call__(self, inputs, *, deterministic=None, rngs=None):
-    found = call_of(self, rngs)
+    # No key at the call: the stream the module holds (seeded by `seed_held_streams`).
+    source = rngs if rngs is not None else _held(self)
     off = deterministic if deterministic is not None else self.deterministic
-    if found is None or off or self.rate == 0.0 or self.rate == 1.0:
+    if off or self.rate == 0.0 or self.rate == 1.0:
       return original(self, inputs, deterministic=deterministic, rngs=rngs)
-    stream = rngs[self.rng_collection] if isinstance(rngs, nnx.Rngs) else rngs
+    found = call_of(self, source)
+    if found is None:
+      return original(self, inputs, deterministic=deterministic, rngs=rngs)
+    stream = source[self.rng_collection] if isinstance(source, nnx.Rngs) else source
     return original(self, inputs, deterministic=deterministic, rngs=linen_key(*found, stream))
 
   def attention(self, *args, rngs=None, **kwargs):
-    """`nnx.MultiHeadAttention` given an Rngs or stream at the call: its attention dropout draws
-    (`rngs()`, where it draws at all) the key Linen's draws with make_rng('dropout') in its scope."""
-    found = call_of(self, rngs) if self.dropout_rate else None
+    """`nnx.MultiHeadAttention` given an Rngs or stream at the call, or holding one: its attention
+    dropout draws (`rngs()`, where it draws at all) the key Linen's draws with make_rng('dropout')
+    in its scope."""
+    source = rngs if rngs is not None else _held(self)
+    found = call_of(self, source) if self.dropout_rate else None
     if found is None:
       return original_attention(self, *args, rngs=rngs, **kwargs)
-    stream = rngs['dropout'] if isinstance(rngs, nnx.Rngs) else rngs
+    stream = source['dropout'] if isinstance(source, nnx.Rngs) else source
     return original_attention(self, *args, rngs=lambda: linen_key(*found, stream), **kwargs)
 
   nnx.Dropout.__call__ = __call__
@@ -102,3 +160,47 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {}) -> Iterator[collection
   finally:
     nnx.Dropout.__call__ = original
     nnx.MultiHeadAttention.__call__ = original_attention
+
+
+def _held(module) -> Any:
+  """The RNG stream a stock dropout (or attention) keeps as an attribute, or None."""
+  stream = getattr(module, 'rngs', None)
+  return stream if isinstance(stream, nnx.RngStream) else None
+
+
+def held_streams(model: nnx.Module) -> list[tuple[str, nnx.RngStream]]:
+  """(NNX path, stream) of each stream a stock `nnx.Dropout` or `nnx.MultiHeadAttention` of
+  `model` keeps and draws from (a rate above 0), in graph order."""
+  out = []
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Dropout) and node.rate not in (0.0, 1.0):
+      stream = _held(node)
+    elif isinstance(node, nnx.MultiHeadAttention) and node.dropout_rate:
+      stream = _held(node)
+    else:
+      continue
+    if stream is not None:
+      out.append(('/'.join(str(p) for p in path), stream))
+  return out
+
+
+def seed_held_streams(model: nnx.Module, root: Any) -> int:
+  """Seeds every stream `held_streams` finds with the key Linen's apply receives, `root`: a
+  stream of one key gets `root`, one stacked over L layers `jax.random.split(root, L)` (Linen's
+  `nn.scan` / `nn.vmap` with `split_rngs`). Returns how many streams were seeded."""
+  streams = held_streams(model)
+  for _, stream in streams:
+    current = stream.key[...]
+    typed = jax.dtypes.issubdtype(current.dtype, jax.dtypes.prng_key)
+    key = root
+    if typed and not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+      key = jax.random.wrap_key_data(key)
+    elif not typed and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+      key = jax.random.key_data(key)
+    stacked = current.ndim - (0 if typed else 1)
+    if stacked > 1:
+      raise NotImplementedError(
+          f'a dropout stream stacked over {stacked} axes (shape {current.shape}): the kit seeds '
+          'streams of one key or stacked once (one scan or vmap over layers)')
+    stream.key[...] = jax.random.split(key, current.shape[0]) if stacked else key
+  return len(streams)

@@ -37,6 +37,7 @@ from parity.core.state import NNX_STEP_DTYPE
 from parity.core import compat
 from parity.pairs import adapter
 from parity.pairs import dropout
+from parity.core import rng as core_rng
 from parity.compare import decode_localize
 from parity.compare import localize
 from parity.compare import scopes
@@ -336,6 +337,9 @@ class StockNnx(_Stock):
   # 'linen': each nnx.Dropout call given an nnx.Rngs (or stream) at the call draws the key Linen's
   # make_rng('dropout') gives its Linen counterpart (parity/pairs/dropout.py); 'nnx': as drawn.
   dropout_keys: str = 'nnx'
+  # (Linen scope path, the counts its make_rng('dropout') draws with): set from the Linen side
+  # with dropout_keys='linen' (parity/pairs/dropout.py, `linen_draws`).
+  linen_draws: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
   def __post_init__(self):
     if self.dropout_keys not in dropout.SCHEMES:
@@ -349,7 +353,7 @@ class StockNnx(_Stock):
       return
     if model is not None:
       scopes.tag_paths(model, self.renames.to_linen)
-    with dropout.linen_dropout_keys(dict(self.call_keys)):
+    with dropout.linen_dropout_keys(dict(self.call_keys), dict(self.linen_draws)):
       yield
 
   def adopt_correspondence(self, found: Any) -> None:
@@ -361,6 +365,16 @@ class StockNnx(_Stock):
     object.__setattr__(self, 'renames', found.renames)
     object.__setattr__(self, 'call_keys', found.call_keys)
     object.__setattr__(self, 'infer_renames', False)
+
+  def adopt_linen_draws(self, linen_side: Any, batch: Any, key: Any) -> None:
+    """With Linen's dropout keys, takes in place the counts the Linen side's dropouts draw with
+    (what a lifted transform such as `nn.scan` makes of them), before first use."""
+    linen_side = getattr(linen_side, 'stock_linen', None)
+    if self.dropout_keys != 'linen' or not isinstance(linen_side, StockLinen):
+      return
+    state = linen_side.template
+    draws = dropout.linen_draws(lambda state: linen_side.loss(state.params, state, batch, key), state)
+    object.__setattr__(self, 'linen_draws', tuple(sorted(draws.items())))
 
   def correspondence(self, linen_side: 'StockLinen', batch: Any, key: Any):
     """The inferred correspondence (parity.pairs.correspond.Correspondence) with `linen_side`;
@@ -400,8 +414,17 @@ class StockNnx(_Stock):
     with compat.eager_sharding_off():
       return nnx.merge(self.graphdef, state)
 
+  def _seed_held_streams(self, model, root) -> None:
+    """With Linen's dropout keys, the streams `model` keeps are seeded with the key Linen's
+    apply receives (parity/pairs/dropout.py, `seed_held_streams`)."""
+    if self.dropout_keys == 'linen':
+      dropout.seed_held_streams(model, root)
+
   def _train_fn(self, state, batch, dropout_base):
     model, optimizer = self._merge(state)
+    if self.dropout_keys == 'linen' and dropout.held_streams(model):
+      # The key a stock Linen step gives its apply: parity.step_key(dropout_base, step, 0).
+      self._seed_held_streams(model, core_rng.step_key(dropout_base, optimizer.step[...], 0))
     with self._dropout_context(model):
       metrics = self.train_step_fn(model, optimizer, batch, dropout_base)
     return nnx.state((model, optimizer)), metrics
@@ -508,6 +531,7 @@ class StockNnx(_Stock):
 
   def _loss_value(self, model, batch, key):
     """The loss alone (with `has_aux`, the first of what `loss` returns)."""
+    self._seed_held_streams(model, key)
     value = self.loss(model, batch, key)
     return value[0] if self.has_aux else value
 
