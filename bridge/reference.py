@@ -1,8 +1,8 @@
 """The reference decoder as the kit's first client: what `parity` runs when no `--pair` is given.
 
-The kit finds this module through the `parity.reference` entry point
-(pyproject.toml), never by importing it, so a project's own `models` or
-`bridge` package never shadows the kit.
+The installed package holds the kit only; the kit finds this module in the
+checkout it runs from (parity/run/reference.py) and imports it from there,
+so a project's own `models` or `bridge` package never shadows the kit.
 """
 from __future__ import annotations
 

@@ -41,6 +41,7 @@ from parity.core import paths, rng
 from parity.pairs import adapter
 from parity.core import bitwise
 from parity.procs import distributed
+from parity.compare import placement
 from parity.compare import programs
 
 SIDES = ('linen', 'nnx')
@@ -761,7 +762,8 @@ def compare_sides(
         divergence if localize_divergence else None, metric_diffs,
     )
 
-  localized = _localize(sides, divergence, dropout_base, say) if divergence else None
+  texts = {name: compiled[name].compared_text for name in SIDES}
+  localized = _localize(sides, divergence, dropout_base, say, texts) if divergence else None
   decoded = None
   if decode_steps:
     say(f'decoding {decode_steps} tokens on both sides')
@@ -852,21 +854,27 @@ def _parameters(flat: dict[str, Any]) -> int | None:
   return sum(sizes) if sizes else None
 
 
-def _localize(sides, divergence, dropout_base, say) -> tuple[dict | None, list[str]]:
-  """The localizer on the first divergent step, both sides from the Linen state before it."""
+def _localize(sides, divergence, dropout_base, say, texts=None) -> tuple[dict | None, list[str]]:
+  """The localizer on the first divergent step, both sides from the Linen state before it (on
+  the run's mesh, where it has one), with each module whose constraints place its
+  intermediates otherwise there (`texts`: the compared programs, with debug locations)."""
   from parity.compare import localize
 
   step = divergence['step']
   say(f'localizing the divergence at step {step}')
+  linen = sides['linen']
   try:
-    linen = sides['linen']
     result = localize.localize_step(
         linen, sides['nnx'], linen.to_checkpoint(divergence['state']),
         linen.place_batch(divergence['batch']), rng.step_key(dropout_base, step, 0),
     )
   except Exception as e:  # the verdict stands without it
     return None, [f'localizer failed: {type(e).__name__}: {e}']
-  return result.first(step), result.lines()
+  lines = result.lines()
+  mesh = getattr(linen, 'mesh', None)
+  if mesh is not None:
+    lines += placement.mesh_lines(mesh, result.first(step) is None, texts)
+  return result.first(step), lines
 
 
 def _host_value(x: jax.Array) -> np.ndarray:
