@@ -33,6 +33,15 @@ _EXPORTS = {
     'StockLinen': ('parity.pairs.stock', 'StockLinen'),
     'StockNnx': ('parity.pairs.stock', 'StockNnx'),
     'Renames': ('parity.pairs.stock_layout', 'Renames'),
+    # model-level pairs: the kit writes both sides' create, train, eval, forward and decode
+    'model_pair': ('parity.pairs.model_level', 'model_pair'),
+    'linen_side': ('parity.pairs.model_level', 'linen_side'),
+    'nnx_side': ('parity.pairs.model_level', 'nnx_side'),
+    # decoding with a KV cache: the token loop, and decode functions for flax's cache convention
+    'draw_tokens': ('parity.pairs.decoding', 'draw_tokens'),
+    'decode_loop': ('parity.pairs.decoding', 'decode_loop'),
+    'linen_decoder': ('parity.pairs.decoding', 'linen_decoder'),
+    'nnx_decoder': ('parity.pairs.decoding', 'nnx_decoder'),
     'PARTS': ('parity.battery.parts', 'PARTS'),
     'DIRECTIONS': ('parity.battery.parts', 'DIRECTIONS'),
     # a stock NNX layer computing as its Linen counterpart, for a declared difference's substitute
@@ -53,6 +62,11 @@ _EXPORTS = {
     # sharding specs and meshes
     'make_mesh': ('parity.core.specs', 'make_mesh'),
     'DEFAULT_RULES': ('parity.core.specs', 'DEFAULT_RULES'),
+    # a pair's own checkpoints: converted between its sides, compared, or saved in the other's layout
+    'convert_checkpoint': ('parity.store.pair_convert', 'convert_checkpoint'),
+    'compare_checkpoints': ('parity.store.pair_convert', 'compare_checkpoints'),
+    'to_linen_layout': ('parity.store.pair_convert', 'to_linen_layout'),
+    'to_nnx_layout': ('parity.store.pair_convert', 'to_nnx_layout'),
 }
 
 __all__ = sorted(_EXPORTS)

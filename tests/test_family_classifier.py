@@ -665,8 +665,8 @@ def _drawing_sides(mesh):
 @pytest.mark.xdist_group('parity-classifier')
 def test_a_dropout_drawing_from_a_stream_kept_in_the_nnx_model_is_named_with_the_fix():
   """Stock dropout on both sides, NNX's drawing from its stream: the masks differ from the
-  first step; the localizer names the dropout module, and says that it holds a stream Linen
-  has not and how the classifier family makes the masks equal."""
+  first step; the localizer names the dropout module by both sides' paths, and says that it
+  draws from a stream Linen has not and that Linen's keys make the masks equal."""
   from parity.battery import checks as battery
 
   pair = Pair('rng_stream_drawn', _drawing_sides, functools.partial(classifier_batch, CFG),
@@ -676,9 +676,9 @@ def test_a_dropout_drawing_from_a_stream_kept_in_the_nnx_model_is_named_with_the
     battery.check_grads(pair)
   message = str(failure.value)
   assert "forward pass: first differs at module Dropout_0" in message, message
-  assert ('Dropout_0 draws from an RNG stream kept in the NNX model (Dropout_0/rngs/count,'
-          ' Dropout_0/rngs/key)') in message, message
-  assert '`nnx.Dropout(...)(x, rngs=key)`' in message
+  assert ('Dropout_0 (NNX dropout) draws its dropout mask from an RNG stream the NNX model keeps'
+          ' (dropout/rngs)') in message, message
+  assert "StockNnx(..., dropout_keys='linen') seeds the streams the model keeps" in message, message
   # The family's own pair, whose NNX dropout keeps no stream, gets no such line.
   _, plain = adapter.make_pair_sides(classifier, None)
   streams = Pair('rng_stream', _stream_sides, functools.partial(classifier_batch, CFG))

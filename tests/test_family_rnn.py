@@ -24,8 +24,9 @@ def make_sides(mesh):
 
 
 RNN_LOOP = parity.KnownDifference(
-    ('RNN_0',), ('program', 'memory'), max_changed_lines=0, max_temp_bytes=8128,
-    reason="nn.RNN's and nnx.RNN's scans carry the cell's parameters (and their gradients) in another order")
+    ('RNN_0',), ('memory',), max_temp_bytes=8128,
+    reason="nn.RNN's and nnx.RNN's scans carry the cell's parameters (and their gradients) in another"
+           " order: the same program, whose loop buffers XLA lays out by that order")
 rnn = parity.Pair('rnn', make_sides, functools.partial(rnn_batch, CFG), known_differences=(RNN_LOOP,))
 # --- end of glue ---
 
@@ -75,13 +76,13 @@ def _pair(name, sides=make_sides, **kwargs):
 
 @pytest.mark.exhaustive
 @pytest.mark.xdist_group('parity-rnn')
-def test_without_its_declaration_the_program_and_memory_parts_name_the_loop():
+def test_without_its_declaration_the_program_is_the_same_and_the_memory_part_fails():
+  """The two RNNs' scans carry the same values in another order: the same program, while XLA's
+  memory analysis of the steps still differs (XLA schedules from the carried order)."""
   from parity.battery import checks
 
   pair = _pair('rnn_undeclared', parts=('program', 'memory'))
-  with pytest.raises(AssertionError) as failure:
-    checks.check_program(pair)
-  assert 'the same computation, but loop' in str(failure.value), failure.value
+  assert checks.check_program(pair) == []
   with pytest.raises(AssertionError) as failure:
     checks.check_memory(pair)
   assert 'temp_bytes -8,128 B' in str(failure.value), failure.value
@@ -110,14 +111,18 @@ def test_a_bug_planted_in_the_nnx_cell_fails_and_the_localizer_names_the_cell(mo
 
 @pytest.mark.exhaustive
 @pytest.mark.xdist_group('parity-rnn')
+def result_line(text: str, label: str) -> str:
+  """The report's row `label`, stripped."""
+  return next(line.strip() for line in text.splitlines() if line.strip().startswith(label))
+
+
 def test_compare_accepts_the_declared_loop_and_exits_0(tmp_path, capsys):
   from parity.run import cli
 
   out = tmp_path / 'rnn.json'
   assert cli.main(['compare', '--pair', 'tests/test_family_rnn.py:rnn', '--steps', '2', '--json', str(out)]) == 0
   text = capsys.readouterr().out
-  assert 'differs as declared (0 of at most 0 canonical lines; identical outside RNN_0)' in text, text
-  assert 'all of it inside the declared modules (RNN_0): identical outside them' in text, text
+  assert result_line(text, 'Train-step program').endswith('identical'), text
   result = json.loads(out.read_text())
   assert result['bitwise_equal'] and result['same_program'], result
   assert result['memory_verdict'].startswith('differs within the declared bound'), result['memory_verdict']

@@ -1,8 +1,10 @@
 """The pytest plugin, run as a user runs it: the README's example in a fresh directory.
 
 The README's declaration (the classifier family) is copied into a new
-directory outside this repository and pytest runs there with nothing but the
-installed package (no path into the repository). A second pair in the same
+directory outside this repository, with a copy of the repository's `models/`
+beside it (the example's model code: the installed package is the kit only),
+and pytest runs there with nothing but the installed package (no path into
+the repository). A second pair in the same
 file has its NNX side broken on purpose (another dropout rate), so its
 generated tests must fail with the bitwise report and the localizer's
 finding; `--parity-parts` must select parts. The directory gets none of this
@@ -11,6 +13,7 @@ suite's XLA set-up: the plugin asks for the CPU devices its meshes take.
 from __future__ import annotations
 
 import pathlib
+import shutil
 
 import pytest
 
@@ -49,6 +52,9 @@ def user_project(pytester, monkeypatch):
   monkeypatch.delenv('PJRT_NPROC', raising=False)
   monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
   pytester.makepyfile(test_classifier_migration=readme_example() + BROKEN_PAIR)
+  # The example's models are the repository's, not the package's (tests/test_packaging.py).
+  shutil.copytree(README.parent / 'models', pytester.path / 'models',
+                  ignore=shutil.ignore_patterns('__pycache__'))
   assert not str(pytester.path).startswith(str(README.parent))
   return pytester
 
@@ -64,6 +70,7 @@ def test_a_declared_pair_becomes_the_battery(user_project):
       'broken::test_checkpoints[linen->linen]', 'broken::test_checkpoints[linen->nnx]',
       'broken::test_checkpoints[nnx->linen]', 'broken::test_checkpoints[nnx->nnx]',
       'broken::test_resume[linen->nnx]', 'broken::test_resume[nnx->linen]',
+      'broken::test_convert[linen->nnx]', 'broken::test_convert[nnx->linen]',
       'broken::test_mesh[data=8]', 'broken::test_memory', 'broken::test_program',
       'broken::test_localize',
   ]

@@ -94,8 +94,8 @@ def test_fp8_under_rematerialisation_is_the_same_program(scanned):
   which jax flattens in key order: the fp8 collection (`_overwrite_with_gradient`)
   before `params`. NNX's `_remat_layer` splits the layer in that order; with
   the state split by path (or parameters first), the unscanned programs
-  differ and the scanned backward layer loop carries its values in another
-  order (`programs.loop_order_difference`).
+  differ (the scanned backward layer loop then carries its values in another
+  order, which is the same program: `programs.loop_order_difference` notes it).
   """
   model_cfg, train_cfg = get_configs('tiny', '05_fp8' if scanned else '02_unscanned')
   model_cfg = dataclasses.replace(model_cfg, quantization='fp8', remat_policy='full')
@@ -196,9 +196,12 @@ def _scanned_in_a_module(order: str) -> str:
 
 
 def test_a_loop_inside_a_declared_module_is_that_modules_own():
-  """Undeclared, a loop carrying the same values in another order is named; with its module left
-  out, its results are matched by type and initial value and the programs are the same."""
+  """Undeclared, a loop carrying the same values in another order is the same program, its order
+  noted; with its module left out, its results are matched by type and initial value, its order
+  is the module's own (not noted) and the programs are the same."""
   names = dict(linen_args=['w', 'v', 'xs'], nnx_args=['w', 'v', 'xs'])
   linen, nnx_ = _scanned_in_a_module('ab'), _scanned_in_a_module('ba')
-  assert 'carries the same 5 values in another order' in programs.diff(linen, nnx_, **names).loop_order
-  assert programs.diff(linen, nnx_, **names, opaque_modules=('RNN_0',)).identical
+  undeclared = programs.diff(linen, nnx_, **names)
+  assert undeclared.identical and 'carries the same 5 values in another order' in undeclared.loop_order
+  declared = programs.diff(linen, nnx_, **names, opaque_modules=('RNN_0',))
+  assert declared.identical and declared.loop_order == ''

@@ -140,7 +140,7 @@ def test_a_users_project_with_its_own_models_bridge_and_configs_gets_the_battery
   )
   out = done.stdout + done.stderr
   assert done.returncode == 0, out[-6000:]
-  assert '17 passed' in out, out[-3000:]
+  assert '19 passed' in out, out[-3000:]
 
 
 def test_parity_compare_runs_a_users_pair_beside_their_own_models(user_project):

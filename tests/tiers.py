@@ -91,7 +91,7 @@ EXHAUSTIVE_PARTS = {
        ' parts that cross no wrapper the others do not (the core tier runs those that do: the'
        " layout, which init and grads carry the Linen state across, the localizer, memory and program)"
        for pair in ('linen_to_half', 'half_to_nnx')
-       for part in ('train', 'eval', 'mesh', 'specs', 'checkpoints', 'resume')},
+       for part in ('train', 'eval', 'mesh', 'specs', 'checkpoints', 'resume', 'convert')},
     ('classifier_without_batch_norm', None):
         "batch norm's program isolated: the classifier pair has batch norm and its declared difference",
     ('encoder', 'mesh'):
@@ -102,12 +102,28 @@ EXHAUSTIVE_PARTS = {
        ' stacks train as the other families do): the core tier keeps what is its own, the 75'
        ' rules (specs), the 5-axis mesh factory (mesh), its RNG state accounted (memory) and the'
        ' scan and remat implementations as one program (program)'
-       for part in ('init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'localize')},
+       for part in ('init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'convert', 'localize')},
+    **{('production_save_dots', part): "the production pair under the other remat policy: the core"
+       ' tier keeps what the policy changes, the program and memory of each step (and the structure)'
+       for part in ('specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'convert', 'mesh',
+                    'localize')},
     **{('rnn', part): "the recurrent pair's numbers, checkpoints, placements and programs: stock layers"
        ' as the language model proves them; the core tier keeps the inferred pairing (structure),'
        " and a declared module's own loop on a small program (tests/test_program_parity.py)"
-       for part in ('specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'mesh', 'memory',
-                    'program', 'localize')},
+       for part in ('specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'convert', 'mesh',
+                    'memory', 'program', 'localize')},
+    **{('lm_model_level', part): "the model-level language model's layout, placements and localizer: the"
+       " family's own pair proves them on the same models; the core tier keeps what the kit writes, its"
+       ' train steps (gradients with both dropouts, training, memory and program) and its decoding'
+       for part in ('specs', 'init', 'eval', 'checkpoints', 'resume', 'convert', 'mesh', 'localize')},
+    **{('classifier_model_level', part): "the model-level classifier's layout, placements and localizer: the"
+       " family's own pair proves them; the core tier keeps what the kit writes (batch statistics in"
+       ' its train step, the loss\'s metrics in eval, memory and program)'
+       for part in ('specs', 'init', 'checkpoints', 'resume', 'convert', 'mesh', 'localize')},
+    **{('mlp', part): "the tutorial's pair (docs/first-pair.md): the core tier keeps its layout, gradients"
+       ' and training; the page shows its whole battery passing'
+       for part in ('specs', 'init', 'eval', 'checkpoints', 'resume', 'convert', 'mesh', 'memory', 'program',
+                    'localize')},
     ('lm', 'checkpoints'): 'checkpoints in four directions: the classifier and encoder pairs run them',
     ('lm', 'resume'): 'resume across sides: the classifier and encoder pairs run it',
     ('decoder_11_composite_accum', 'grads'):

@@ -56,7 +56,8 @@ class ToLinen(nn.Module):
       flat = {path: _boxed(v) for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
       for name, value in _nest(flat).items():
         self.put_variable('params', name, value)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: self._build(nnx.Rngs(0))))
+    # jax.eval_shape, not nnx.eval_shape: the latter places annotated variables on the active mesh.
+    graphdef, abstract = jax.eval_shape(lambda: nnx.split(self._build(nnx.Rngs(0))))
     params = nn.meta.unbox(self.variables.get('params', {}))
     state = jax.tree.map(lambda _, value: value, nnx.to_pure_dict(abstract), _plain(params))
     nnx.replace_by_pure_dict(abstract, state)

@@ -28,11 +28,13 @@ from parity.core import rng
 from parity.compare import activations
 from parity.pairs import adapter
 from parity.pairs import correspond
+from parity.pairs import dropout as pair_dropout
 from parity.pairs import substitutes
 from parity.core import bitwise
 from parity.store import checkpoints
 from parity.procs import distributed
 from parity.compare import localize
+from parity.compare import placement as placement_lib
 from parity.compare import programs
 from parity.run import runner
 
@@ -109,26 +111,31 @@ class _Runs:
     return metrics, side.to_checkpoint(state), state
 
   @functools.cache
-  def linen_state_before(self, step: int, init_side: str = 'linen') -> dict[str, Any]:
-    """The Linen side's state (checkpoint layout) after `step` train steps from `init_side`'s init."""
+  def linen_state_before(self, step: int, init_side: str = 'linen',
+                         mesh_spec: str | None = None) -> dict[str, Any]:
+    """The Linen side's state (checkpoint layout) after `step` train steps from `init_side`'s
+    init (on `mesh_spec`'s mesh, where given)."""
     if step == 0:
-      return self.start(init_side)
-    side = self.side('linen')
-    state = side.from_checkpoint(self.start(init_side))
+      return self.start(init_side, mesh_spec)
+    side = self.side('linen', mesh_spec)
+    state = side.from_checkpoint(self.start(init_side, mesh_spec))
     for s in range(step):
-      state, _ = side.train_step(state, self.batch(s), self.dropout_base())
+      state, _ = side.train_step(state, self.batch(s, mesh_spec=mesh_spec), self.dropout_base())
     return side.to_checkpoint(state)
 
   @functools.cache
-  def localization(self, step: int = 0, init_side: str = 'linen') -> localize.Localization:
-    """The localizer on train step `step`, both sides from the Linen state before it."""
-    lacking = [side.name for side in self.sides() if not hasattr(side, 'probe')]
+  def localization(self, step: int = 0, init_side: str = 'linen',
+                   mesh_spec: str | None = None) -> localize.Localization:
+    """The localizer on train step `step`, both sides from the Linen state before it (on
+    `mesh_spec`'s mesh, where given: a divergence seen only there is localised there)."""
+    sides = self.sides(mesh_spec)
+    lacking = [side.name for side in sides if not hasattr(side, 'probe')]
     if lacking:
       raise adapter.SideError(
           f'{self.pair.name}: the {" and ".join(lacking)} side(s) have no probe (parity.pairs.adapter.Side.probe),'
           ' which the localizer needs: nothing localized')
     return localize.localize_step(
-        *self.sides(), self.linen_state_before(step, init_side), self.batch(step),
+        *sides, self.linen_state_before(step, init_side, mesh_spec), self.batch(step, mesh_spec=mesh_spec),
         rng.step_key(self.dropout_base(), step, 0),
     )
 
@@ -162,26 +169,49 @@ class _Runs:
     return lines
 
   def rng_stream_lines(self, result: localize.Localization) -> list[str]:
-    """A line when the module the localizer names holds an RNG stream kept in the NNX model
-    (`StockNnx.rng_stream_paths`): the masks such a layer draws cannot be Linen's."""
+    """A line when the module the localizer names draws dropout masks from an RNG stream the
+    NNX model keeps (a dropout of rate above 0 holding one): what the kit does about it and
+    what is left. Nothing for a module that draws nothing (an epsilon bug in a norm)."""
     found = result.first()
-    streams_of = getattr(self.side('nnx'), 'rng_stream_paths', None)  # the stock NNX side's
-    if found is None or streams_of is None:
+    side = self.side('nnx')
+    if found is None or getattr(side, 'rng_stream_paths', None) is None:  # the stock NNX side's
       return []
     module = found['path']
     attention = self.nnx_attention(module)
     if attention is not None:  # its kept stream, if any, draws only where no Rngs comes at the call
       return self.attention_lines(module, attention)
-    streams = [p for p in streams_of() if p == module or p.startswith(module + '/')]
+    nnx_module = side.renames.to_nnx(module)
+    streams = self.drawing_streams(nnx_module)
     if not streams:
       if module.rsplit('/', 1)[-1].startswith(('MultiHeadDotProductAttention', 'SelfAttention')):
         return stock_attention_lines(module)  # by its Linen name, where the NNX module is not found
       return self.dropout_scheme_lines(module)
-    return [f'{module} draws from an RNG stream kept in the NNX model ({", ".join(streams)}), which'
-            ' a Linen TrainState does not hold, so its masks cannot be those of Linen\'s make_rng:'
-            ' derive the key from the step (dropout_base) and pass it at the call on both sides,'
-            ' as `nn.Dropout(...)(x, rng=key)` and `nnx.Dropout(...)(x, rngs=key)`'
-            ' (docs/plugin.md, "Stock dropout")']
+    named = module if nnx_module == module else f'{module} (NNX {nnx_module})'
+    where = ', '.join(streams)
+    if getattr(side, 'dropout_keys', None) != 'linen':
+      return [f"{named} draws its dropout mask from an RNG stream the NNX model keeps ({where}), Linen's"
+              " from make_rng('dropout'): their masks cannot be equal. Give the NNX side Linen's keys,"
+              " with no change to either model: StockNnx(..., dropout_keys='linen') seeds the streams"
+              " the model keeps with the key Linen's apply receives (docs/plugin.md, \"Stock dropout\")"]
+    return [f"{named} draws from an RNG stream the NNX model keeps ({where}), which the kit seeds with"
+            " Linen's keys (dropout_keys='linen'), and still differs: the kit seeds it with the key a"
+            " stock Linen step gives its apply, parity.step_key(dropout_base, step, 0) (in the grads"
+            " part, the loss's key); a Linen step that derives its key otherwise, or a draw the kit"
+            " does not see (jax.random called on the stream's key), gives other masks"]
+
+  def drawing_streams(self, nnx_module: str) -> list[str]:
+    """The NNX paths of the streams kept by dropouts at or under `nnx_module` that draw (a rate
+    above 0), in a fresh model of the NNX side; [] where it has none or cannot tell."""
+    side = self.side('nnx')
+    try:
+      with compat.eager_sharding_off():
+        node = side.create(self.pair.seed)[0]
+      for name in filter(None, nnx_module.split('/')):
+        node = node[int(name)] if name.isdigit() else getattr(node, name)
+      held = pair_dropout.held_streams(node)
+    except Exception:  # pylint: disable=broad-except  (a hint only)
+      return []
+    return ['/'.join(p for p in (nnx_module, path, 'rngs') if p) for path, _ in held]
 
   def nnx_attention(self, module: str) -> Any:
     """The NNX side's `nnx.MultiHeadAttention` at Linen path `module` (a fresh model's), or None."""
@@ -396,21 +426,30 @@ def check_specs(pair: adapter.Pair) -> list[str]:
   names, so each constraint spells the names it was given): the same
   number, in the same program order and control flow, with the same shapes,
   dtypes and logical names. The model methods applying them may be named
-  differently on each side. Returns a line saying how many were compared.
+  differently on each side; a constraint that differs is named by the module
+  it is in. Returns a line saying how many were compared.
   """
   __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   linen, nnx_side = runs.sides()
   notes = check_param_specs(pair, linen, nnx_side)
-  rules = _rules(pair, linen, default=specs_lib.DEFAULT_RULES)
   if pair.activations_resolved:  # declared: no logical names to read, the physical specs compared
     return notes + _check_resolved_activations(pair, None)
   start = runs.start('linen')
+  tables = activation_tables(pair, (linen, nnx_side), [side.from_checkpoint(start) for side in (linen, nnx_side)],
+                             runs.batch(0), runs.dropout_base())
+  return notes + check_activation_tables(pair, tables)
+
+
+def activation_tables(pair: adapter.Pair, sides: Sequence[adapter.Side], states: Sequence[Any], batch: Any,
+                      dropout_base: Any, mesh_sizes: Mapping[str, int] | None = None) -> tuple[list, list]:
+  """Both train steps' activation constraints under the pair's rules (inputs may be abstract)."""
+  # `mesh_sizes`: their physical specs on a mesh of those sizes too. A model that constrains
+  # with mesh axes fails, saying how to declare it.
+  rules = _rules(pair, sides[0], default=specs_lib.DEFAULT_RULES)
   try:
-    tables = [
-        activations.rows(side, side.from_checkpoint(start), runs.batch(0), runs.dropout_base(), tuple(rules))
-        for side in (linen, nnx_side)
-    ]
+    return tuple(activations.rows(side, state, batch, dropout_base, tuple(rules), mesh_sizes=mesh_sizes)
+                 for side, state in zip(sides, states))
   except ValueError as e:
     if 'not found in mesh' not in str(e):
       raise
@@ -418,6 +457,12 @@ def check_specs(pair: adapter.Pair) -> list[str]:
         f'{pair.name}: activation constraints name mesh axes, not logical names ({e}): the model'
         ' resolves its names itself. Declare it, Pair(activations_resolved=True), to compare the'
         ' physical specs they resolve to on each mesh of the pair') from None
+
+
+def check_activation_tables(pair: adapter.Pair, tables: Sequence[list]) -> list[str]:
+  """The specs part's verdict on both sides' activation constraints: a line, or AssertionError."""
+  # Each constraint that differs is named by its module; constraints with no logical name go
+  # to `_check_resolved_activations`.
   problems = activations.drift(*tables, sites=False)
   if problems:
     raise AssertionError(
@@ -425,10 +470,10 @@ def check_specs(pair: adapter.Pair) -> list[str]:
         f' {len(tables[1])} in NNX\'s):\n  ' + '\n  '.join(problems[:50])
     )
   if not tables[0]:
-    return notes + ['activation constraints: none in either train step (nothing to compare)']
+    return ['activation constraints: none in either train step (nothing to compare)']
   if activations.unnamed(tables[0]) and activations.unnamed(tables[1]):
-    return notes + _check_resolved_activations(pair, len(tables[0]))
-  return notes + [f'activation constraints: {len(tables[0])} per train step, the same logical names on both sides']
+    return _check_resolved_activations(pair, len(tables[0]))
+  return [f'activation constraints: {len(tables[0])} per train step, the same logical names on both sides']
 
 
 def _check_resolved_activations(pair: adapter.Pair, count: int | None) -> list[str]:
@@ -444,12 +489,7 @@ def _check_resolved_activations(pair: adapter.Pair, count: int | None) -> list[s
         ' compares the physical specs they resolve to on each mesh of the pair')
   lines = []
   for spec in pair.meshes:
-    sides = adapter.make_pair_sides(pair, pair.mesh(spec))
-    start = sides[0].init(pair.seed)
-    batch = sides[0].place_batch(pair.batch(0, 'train'))
-    base = rng.base_key(pair.seed)
-    tables = [activations.physical_rows(side, side.from_checkpoint(sides[0].to_checkpoint(start)), batch, base)
-              for side in sides]
+    tables = resolved_activation_tables(pair, spec)
     problems = activations.drift(*tables, sites=False)
     if problems:
       raise AssertionError(
@@ -461,6 +501,16 @@ def _check_resolved_activations(pair: adapter.Pair, count: int | None) -> list[s
     lines.append(f'activation constraints: {len(tables[0])} per train step, resolved by the model itself'
                  f' (declared), the same physical specs on {spec}')
   return lines
+
+
+def resolved_activation_tables(pair: adapter.Pair, spec: str) -> tuple[list, list]:
+  """Both train steps' activation constraints as each side's own mesh (`spec`) and rules resolve them."""
+  sides = adapter.make_pair_sides(pair, pair.mesh(spec))
+  start = sides[0].init(pair.seed)
+  batch = sides[0].place_batch(pair.batch(0, 'train'))
+  base = rng.base_key(pair.seed)
+  return tuple(activations.physical_rows(side, side.from_checkpoint(sides[0].to_checkpoint(start)), batch, base)
+               for side in sides)
 
 
 def check_param_specs(pair: adapter.Pair, linen: adapter.Side, nnx_side: adapter.Side) -> list[str]:
@@ -679,7 +729,7 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
       f' {mesh_spec}:\n  ' + '\n  '.join(off[:50])
   )
   batch, key = runs.batch(0, mesh_spec=mesh_spec), runs.dropout_base()
-  names, annotations = [], []
+  names, annotations, texts = [], [], {}
   placement = []
   for side in (linen, nnx_side):
     state = side.from_checkpoint(runs.start('linen', mesh_spec))
@@ -690,6 +740,7 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
     lowered = getattr(side, 'lower_for_comparison', side.lower_train_step)(compared, batch, key)
     names.append(set(side.argument_names(lowered, compared, batch, key)))
     annotations.append(programs.sharding_annotations(lowered.as_text()))
+    texts['linen' if side is linen else 'nnx'] = lowered.as_text(debug_info=True)
   assert not placement, (f'{pair.name}: state only NNX keeps is not where the side places its state'
                          f' on {mesh_spec}:\n  ' + '\n  '.join(placement))
   a, b = annotations
@@ -697,21 +748,34 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
     found = compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
                     f'{pair.steps} train steps on mesh {mesh_spec}')
   except AssertionError as e:
-    if a == b:
-      raise
-    # The numbers differ and so do the steps' shardings: a constraint placing an activation
-    # otherwise (another logical name) is the likely cause, and is named with the numbers.
+    # Localised on the mesh, where the difference shows: the first module whose output or
+    # gradient differs there, and each module whose constraints place intermediates otherwise.
+    head, _, leaves = str(e).partition('\n')
     raise AssertionError(
-        f'{e}\nthe sharding annotations of the train steps differ too (a likely cause: an'
-        f' activation constraint or a placement that differs; the specs part names constraints):'
-        f' only linen {dict(a - b)}, only nnx {dict(b - a)}') from None
+        f'{head}\nlocalizer on {mesh_spec}:\n  '
+        + '\n  '.join(_mesh_localization(runs, mesh_spec, first_divergent_step(ma, mb), texts))
+        + (f'\nthe sharding annotations of the train steps differ too: only linen {dict(a - b)},'
+           f' only nnx {dict(b - a)}' if a != b else '')
+        + (f'\n{leaves}' if leaves else '')) from None
   assert a == b, (
       f'{pair.name}: sharding annotations of the train steps differ on {mesh_spec}'
       f' (the train metrics and final state there are bit-identical{", or within the declared bounds" if found else ""}):'
       f' only linen {dict(a - b)}, only nnx {dict(b - a)}'
+      + ''.join(f'\n  {line}' for line in placement_lib.differing_modules(
+          placement_lib.constraints_by_module(texts['linen']), placement_lib.constraints_by_module(texts['nnx'])))
       + programs.one_sided_arguments(names[0] - names[1], names[1] - names[0])
   )
   return found
+
+
+def _mesh_localization(runs: '_Runs', mesh_spec: str, step: int, texts: dict[str, str]) -> list[str]:
+  """The localizer's report on the mesh at `step`, with the modules placing intermediates otherwise."""
+  try:
+    result = runs.localization(step, 'linen', mesh_spec)
+  except Exception as e:  # the localizer must never hide the failure it explains
+    return [f'localizer failed: {type(e).__name__}: {e}']
+  mesh = runs.side('linen', mesh_spec).mesh
+  return [f'(step {step})'] + result.lines() + placement_lib.mesh_lines(mesh, result.first(step) is None, texts)
 
 
 def state_sharding_drift(linen: Mapping[str, Any], nnx_state: Mapping[str, Any]) -> list[str]:
@@ -756,7 +820,7 @@ def check_memory(pair: adapter.Pair) -> list[str]:
   accounted = []
   account = getattr(runs.side('nnx'), 'nnx_only_accounting', None)
   if account is not None and account()['paths']:
-    mem[1], accounted = runner.without_nnx_only(account(), *mem, runs.compiled('linen'))
+    mem[1], accounted = runner.without_nnx_only(account(), *mem, runs.compiled('linen'), runs.compiled('nnx'), device)
   drift = runner.memory_drift(*mem)
   known = pair.program_difference()
   declared = known is not None and 'memory' in known.passes
@@ -878,13 +942,20 @@ def check_localize(pair: adapter.Pair) -> list[str]:
 
   A forward divergence must start in a module declared for the 'forward'
   pass, within its ULP bound; a backward divergence may only touch
-  parameters declared for 'grads'.
+  parameters declared for 'grads'. NNX module calls with no Linen call to
+  compare with (and no Linen call without an NNX one) are a note where
+  every compared output and gradient is bitwise, and named, with what to
+  write, where anything differs.
   """
   __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   result = runs.localization()
-  # Not vacuous: every module call and parameter gradient is compared.
-  problems, seen = list(result.unmatched), []
+  # Not vacuous: every module call and parameter gradient is compared. NNX calls with no
+  # Linen call to compare with (a module Linen computes inline) are not a difference: a note
+  # where every compared value is bitwise, named where something differs (they may hold it).
+  extra = [] if result.only_linen else list(result.only_nnx)
+  problems = list(dataclasses.replace(result, only_nnx=[]).unmatched if extra else result.unmatched)
+  seen = []
   if result.forward is not None:
     known = pair.known(result.forward, 'forward')
     if known is None:
@@ -905,11 +976,35 @@ def check_localize(pair: adapter.Pair) -> list[str]:
     undeclared = [p for p in params if pair.known(p, 'grads') is None]
     if undeclared:
       problems.append(f'backward divergence inside {module}: {undeclared}')
+  calls = _nnx_only_calls(runs.side('nnx'), extra)
+  if extra and (problems or not result.clean):
+    first = calls[0].split(' (Linen ')[0]
+    problems.append(
+        f'NNX module calls with no Linen counterpart, not compared: {", ".join(calls)}; the difference may'
+        ' start in one of them (the localizer names the first compared module it reaches). Where one is'
+        ' a Linen module under another name, pair the two with a Renames entry:'
+        f" StockNnx(renames=parity.Renames((('<Linen path>', '{first}'),))) (`parity renames --pair"
+        ' FILE.py:NAME` prints the correspondences inferred)')
   assert not problems, (
       f'{pair.name}: the localizer finds undeclared differences: {problems}\n  '
       + '\n  '.join(result.lines())
   )
+  if extra:
+    seen.append(f'NNX module calls with no Linen counterpart, not compared (a note: every compared output'
+                f' and gradient is bitwise): {", ".join(calls)}')
   return seen + result.lines()
+
+
+def _nnx_only_calls(nnx_side: adapter.Side, keys: Sequence[str]) -> list[str]:
+  """NNX calls the localizer keys by Linen path, named by their NNX attribute paths (`blocks/0/act
+  (Linen DecoderBlock_0/act)`, the Linen name where the side's renames give another)."""
+  renames = getattr(nnx_side, 'renames', None)
+  shown = []
+  for key in keys:
+    path, sep, repeat = key.partition('#')
+    own = renames.to_nnx(path) if renames is not None and path != localize.ROOT else path
+    shown.append(f'{own}{sep}{repeat}' + (f' (Linen {key})' if own != path else ''))
+  return shown
 
 
 def check_substitution(pair: adapter.Pair) -> list[str]:
@@ -1019,3 +1114,41 @@ def _cache_placed_alike(pair: adapter.Pair, linen: Mapping[str, Any], nnx_cache:
   assert not bad, (f'{pair.name}: the decoded caches are placed otherwise on {placement}'
                    f' ({len(bad)} of {len(placed)} arrays):\n  ' + '\n  '.join(bad))
   return f'{placement}: the {len(placed)} cache arrays placed alike (their shardings equivalent)'
+
+
+def check_convert(pair: adapter.Pair, direction: str) -> list[str]:
+  """A checkpoint saved by one side's own code (a StandardCheckpointer save of its state after one
+  step), converted to the other side's through the pair's correspondences (parity/store/pair_convert.py),
+  restored by the other side as its own code restores it, resumes bit for bit: the remaining
+  steps' metrics and final state equal an uninterrupted run's."""
+  __tracebackhide__ = _battery_frames_hidden
+  import orbax.checkpoint as ocp
+
+  from parity.store import pair_convert
+
+  runs = _runs(pair)
+  src_name, dst_name = direction.split('->')
+  src, dst = runs.side(src_name), runs.side(dst_name)
+  state, m = src.train_step(src.from_checkpoint(runs.start('linen')), runs.batch(0), runs.dropout_base())
+  metrics = [dict(m)]
+  with tempfile.TemporaryDirectory() as d:
+    saver = ocp.StandardCheckpointer()
+    saver.save(f'{d}/own', state)
+    saver.wait_until_finished()
+    result = pair_convert.convert_checkpoint(pair, f'{d}/own', f'{d}/converted', dst_name, sides=runs.sides())
+    layouts = pair_convert.pair_layouts(runs.sides())
+    item = pair_convert.locate(f'{d}/converted', 'DST')
+    state = pair_convert.restore_native(item, layouts[result.target_format], dst)
+  for step in range(1, pair.steps):
+    state, m = dst.train_step(state, runs.batch(step), runs.dropout_base())
+    metrics.append(dict(m))
+  ref_metrics, ref_final, _ = runs.trajectory(src_name, 'linen')
+  found = compare(pair, 'train', {**per_step(ref_metrics), **ref_final}, {**per_step(metrics), **dst.to_checkpoint(state)},
+                  f'{src_name}\'s own checkpoint after step 0, converted ({result.source_format} ->'
+                  f' {result.target_format}) and resumed in {dst_name}, vs an uninterrupted {src_name} run',
+                  labels=(f'uninterrupted {src_name}', f'converted into {dst_name}'))
+  notes = [f'{result.source_format} -> {result.target_format}: {result.arrays} arrays']
+  if result.dropped or result.initialised:
+    notes.append(f'state only NNX keeps: {len(result.dropped)} leaves left out, {len(result.initialised)}'
+                 ' as create(0) makes them')
+  return notes + found

@@ -5,8 +5,8 @@ chooses some, and `parity compare --pair` compares what the pair's parts cover
 (memory, program, the localizer).
 """
 PARTS = (
-    'structure', 'specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'mesh', 'memory',
-    'program', 'localize', 'substitution', 'decode',
+    'structure', 'specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'convert', 'mesh',
+    'memory', 'program', 'localize', 'substitution', 'decode',
 )
 # 'substitution' and 'decode' are generated only for a pair that declares them: a value bound
 # (parity.pairs.adapter.VALUE_PASSES), decoding (`Pair(decode=...)`); parity/battery/plugin.py.

@@ -255,6 +255,10 @@ class _Battery:
   def test_resume(self, direction):
     battery.check_resume(self.pair, direction)
 
+  @pytest.mark.parametrize('direction', ['linen->nnx', 'nnx->linen'])
+  def test_convert(self, direction, request):
+    _record(request, 'convert', battery.check_convert(self.pair, direction))
+
   def test_mesh(self, parity_mesh):
     battery.check_mesh(self.pair, parity_mesh)
 

@@ -1,13 +1,21 @@
 """The divergence localizer: which module first computes something different.
 
-Each side's train-mode loss is traced once with every module's `__call__`
-intercepted (Linen: `nn.intercept_methods`; NNX: each module class's
-`__call__`, for the duration of the trace; other methods are not recorded). A zero probe is added to every
-module's output, so one `value_and_grad` gives, per module call, its
-forward output, the cotangent arriving at that output, and every
-parameter's gradient. `localize` then compares both sides bitwise:
+Each side's train-mode loss is traced once with every module call recorded
+(parity/compare/bridged.py: Linen's `nn.intercept_methods`; NNX, each module
+class's methods patched for the duration of the trace; through any wrapper
+between the frameworks): `__call__` and the public methods a caller calls
+(`Embed.attend`, a call keyed `embed.attend`), each with every array it was
+given, positional or keyword, by its parameter's name. A zero probe is added
+to every module's output, so one `value_and_grad` gives, per module call, its
+arguments, its forward output, the cotangent arriving at that output, and
+every parameter's gradient. `localize` then compares both sides bitwise:
 
-- forward: the first module call (in execution order) whose output differs;
+- forward: the first difference in execution order, a call's arguments as it
+  starts or its output as it returns. An output that differs from equal
+  arguments names its module; an argument that differs while every earlier
+  call agrees names the module whose call made it (its caller: the
+  difference arose in that module's own code, between its submodules) and
+  the argument, never the module that received it;
 - backward: a module whose output cotangent is equal on both sides but
   whose parameters' gradients differ computes its own backward pass
   differently; the innermost such module is named (of several at one depth,
@@ -17,9 +25,10 @@ Module calls inside a transform's body are that body's tracers. `localize_step`
 probes with the bodies of `jax.lax.scan` and `jax.checkpoint` opened
 (`layers_opened`): their calls leave as extra outputs of the body, a scan's
 stacked by layer, so each layer of a scanned stack (Linen `nn.scan`, NNX
-`nnx.scan` or `jax.lax.scan` over `nnx.split` state, rematerialised or not)
-is compared on its own, `layers/1/mlp`, and a stacked parameter's gradient
-layer by layer. Calls inside other transforms are listed as not recorded.
+`nnx.scan` or `jax.lax.scan` over `nnx.split` state, rematerialised or not,
+its layer behind a wrapper or not) is compared on its own, `layers/1/mlp`,
+and a stacked parameter's gradient layer by layer. Calls inside other
+transforms are listed as not recorded.
 """
 from __future__ import annotations
 
@@ -52,6 +61,19 @@ def _float_tree(y: Any) -> Any:
   return jax.tree.map(lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else None, y)
 
 
+def _call_name(path: str, method: str) -> str:
+  """A call's name before its repeat count: the module's path, `.method` after it for a
+  method other than `__call__` (`embed.attend`)."""
+  return (path or ROOT) if method == '__call__' else f'{path or ROOT}.{method}'
+
+
+def _split_call(key: str) -> tuple[str, str]:
+  """(the module's path, what follows it: `.method`, `#n`) of a call's key."""
+  head, sep, last = key.rpartition('/')
+  cut = min((i for i in (last.find('.'), last.find('#')) if i >= 0), default=len(last))
+  return head + sep + last[:cut], last[cut:]
+
+
 # The layer index of a call inside a scanned body, in its key until the scan's outputs are
 # taken apart by layer (`_expand`).
 _LAYER_MARK = '<layer>'
@@ -59,13 +81,14 @@ _LAYER_MARK = '<layer>'
 
 def _expand(key: str, layer: int) -> str:
   """`key` of the call in layer `layer` (the innermost scan's mark replaced by the index)."""
-  head, _, tail = key.rpartition(_LAYER_MARK)
-  return f'{head}{layer}{tail}'
+  head, mark, tail = key.rpartition(_LAYER_MARK)
+  return f'{head}{layer}{tail}' if mark else key
 
 
 def _arrays(y: Any) -> Any:
-  """`y` with every leaf that is not an array as None (what a transform's body can return)."""
-  return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else None, y)
+  """`y` with every leaf that is not an array as None (what a traced function can return);
+  a module or variable in it is not looked into."""
+  return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else None, y, is_leaf=bridged._opaque)
 
 
 class _Frame:
@@ -77,8 +100,10 @@ class _Frame:
     self.scan = scan
     self.root: str | None = None  # a scan's: the path of the first module called in its body
     self.outputs: dict[str, Any] = {}
-    self.inputs: dict[str, Any] = {}  # each call's first argument, when it is a float array
-    self.order: list[str] = []
+    self.inputs: dict[str, Any] = {}  # each call's arrays, by argument name (bridged.Arguments.named)
+    self.order: list[str] = []  # the calls as they return
+    self.events: list[tuple[str, str]] = []  # ('call' | 'return', key) in execution order
+    self.callers: dict[str, str] = {}  # key -> the recorded call under way when it started
 
 
 class _Bodies:
@@ -113,6 +138,7 @@ class Recorder:
     self.recorded_paths: set[str] = set()
     self._calls: dict[str, int] = {}
     self._active: list[str | None] = []  # keys of the module calls under way (None: not recorded)
+    self._callers: list[str | None] = []  # their keys as recorded (None: not recorded)
     self.params: dict[int, str] = {}  # id of each parameter leaf traced -> its gradient's name
     # stack path -> the parameters its scan slices by layer (inputs on axis 0), stacks outside
     # any other transformed body
@@ -130,53 +156,71 @@ class Recorder:
   def order(self) -> list[str]:
     return self.root.order
 
-  def call(self, path: str, args: tuple, run: Callable[[], Any]) -> Any:
-    """`run()`, the module call at `path`; its output recorded (and probed) where it can be."""
+  def call(self, path: str, args: Any, run: Callable[[], Any]) -> Any:
+    """`run()`, the module call at `path` (`args`: its `bridged.Arguments`, or its positional
+    arguments); its arguments and output recorded (the output probed) where they can be."""
+    call = args if isinstance(args, bridged.Arguments) else bridged.Arguments('__call__', tuple(args), {})
+    name = _call_name(path, call.method)
     frame = self.frames[-1]
     here = tracers.current_trace() == frame.trace
     if here:
       scan = next((f for f in reversed(self.frames) if f.scan), None)
       if scan is not None and scan.root is None:
         scan.root = path
-    key = self._key(path) if here else None
+    key = self._key(name) if here else None
     # A lifted transform calling its module (Linen's nn.remat, inside its body): one call.
     repeat = key is not None and bool(self._active) and self._active[-1] == key
+    recorded = self._start(frame, path, key, call) if key is not None and not repeat else None
     self._active.append(None if repeat else key)
+    self._callers.append(recorded)
     try:
       y = run()
     finally:
       self._active.pop()
+      self._callers.pop()
     if not here:
       if (path or ROOT) not in self.unrecorded:
         self.unrecorded.append(path or ROOT)
       return y
     if repeat:
       return y
-    return self.record(frame, path, key, y, args)
+    return self._finish(frame, recorded, y)
 
-  def _key(self, path: str) -> str:
-    """The call's key before its repeat count: the path, with a layer mark after the stack's path
+  def _key(self, name: str) -> str:
+    """The call's key before its repeat count: the name, with a layer mark after the stack's path
     for each scan it runs in (`layers/<layer>/mlp`)."""
-    key = path
+    path, suffix = _split_call(name)
+    key = path if path != ROOT else ''
     for frame in reversed(self.frames):  # innermost first: its stack is the deepest
       if frame.scan and frame.root is not None:
-        key = _marked(key, path, frame.root)
-    return key or ROOT
+        key = _marked(key, path if path != ROOT else '', frame.root)
+    return (key or ROOT) + suffix
 
-  def record(self, frame: _Frame, path: str, key: str, y: Any, args: tuple = ()) -> Any:
+  def _start(self, frame: _Frame, path: str, key: str, call: bridged.Arguments) -> str:
+    """The key of a call as it starts (the other side's, its layer marks put back), its
+    arguments and its caller recorded."""
     n = self._calls.get(key, 0)
     self._calls[key] = n + 1
-    path = path or ROOT
-    # The other side's key of the call, its layer marks (if any) put back.
-    key = self._key(self.call_key(path if n == 0 else f'{path}#{n}'))
-    self.recorded_paths.add(path)
+    name = _call_name(path, call.method)
+    key = self._key(self.call_key(name if n == 0 else f'{name}#{n}'))
+    self.recorded_paths.add(path or ROOT)
+    frame.events.append(('call', key))
+    named = call.named()
+    if named:
+      frame.inputs[key] = named
+    caller = next((k for k in reversed(self._callers) if k is not None), None)
+    if caller is not None:
+      frame.callers[key] = caller
+    return key
+
+  def _finish(self, frame: _Frame, key: str, y: Any) -> Any:
+    """`y`, the output of the call `key`, recorded (its probe added)."""
     frame.order.append(key)
-    if args and isinstance(args[0], jax.Array) and jnp.issubdtype(args[0].dtype, jnp.inexact):
-      frame.inputs[key] = args[0]
+    frame.events.append(('return', key))
     if frame.probes is not None and key in frame.probes:
       y = jax.tree.map(lambda a, p: a if p is None else a + p.astype(a.dtype), y, frame.probes[key],
-                       is_leaf=lambda x: x is None)
-    frame.outputs[key] = y if frame is self.root else _arrays(y)
+                       is_leaf=lambda x: x is None or bridged._opaque(x))
+    frame.outputs[key] = _arrays(y)
     return y
 
   # -- transformed bodies, opened --------------------------------------------------------
@@ -230,7 +274,12 @@ class Recorder:
       if sliced:
         self.stacked[frames[0].root] = sliced  # its layers' calls: `<root>/<layer>/...`
     order = range(layers - 1, -1, -1) if reverse else range(layers)
-    parent.order += [_expand(k, i) for i in order for k in frames[0].order]
+    body = frames[0]
+    parent.order += [_expand(k, i) for i in order for k in body.order]
+    parent.events += [(kind, _expand(k, i)) for i in order for kind, k in body.events]
+    own = set(body.order)  # a caller outside the body has no mark of this scan
+    parent.callers.update({_expand(k, i): _expand(c, i) if c in own else c
+                           for i in order for k, c in body.callers.items()})
     for got, into in ((outputs, parent.outputs), (inputs, parent.inputs)):
       for k, v in got.items():
         into.update({_expand(k, i): jax.tree.map(lambda a: a[i], v) for i in range(layers)})
@@ -260,6 +309,8 @@ class Recorder:
       shifted = dict(options, static_argnums=tuple(i + 1 if i >= 0 else i for i in static))
       out, (outputs, inputs) = original(inner, **shifted)(probes, *args, **kwargs)
       parent.order += frames[0].order
+      parent.events += frames[0].events
+      parent.callers.update(frames[0].callers)
       parent.outputs.update(outputs)
       parent.inputs.update(inputs)
       return out
@@ -354,10 +405,10 @@ def _on_call(recorder: Recorder) -> bridged.OnCall:
 
 @contextlib.contextmanager
 def linen_intercept(recorder: Recorder):
-  """Records each module's `__call__` (through `nnx.bridge` wrappers: parity/compare/bridged.py),
-  except inside a lifted transform's body (`nn.scan`, `nn.remat`, ...) that the recorder has
-  not opened: its values are the body's tracers, which cannot leave it (their paths go to
-  `unrecorded`)."""
+  """Records each module call (`__call__` and public methods; through any wrapper between the
+  frameworks: parity/compare/bridged.py), except inside a lifted transform's body (`nn.scan`,
+  `nn.remat`, ...) that the recorder has not opened: its values are the body's tracers, which
+  cannot leave it (their paths go to `unrecorded`)."""
   with bridged.linen_calls(_on_call(recorder)), recorder.opened():
     yield
 
@@ -409,13 +460,13 @@ def linen_probe(loss: Callable, has_aux: bool, state: Any, batch: Any, dropout_k
 
 @contextlib.contextmanager
 def nnx_intercept(model: nnx.Module, recorder: Recorder, rename: Callable[[str], str]):
-  """Each module class's `__call__` wrapped (restored on exit); outermost call per instance
-  recorded (through `nnx.bridge` wrappers), except inside a transform's body (`nnx.remat`,
-  `nnx.scan`, ...) that the recorder has not opened, whose module copies (named by their
-  originals' tags, parity/compare/scopes.py) compute the body's tracers: their paths go to
-  `unrecorded`, as on the Linen side."""
+  """Each module class's `__call__` and public methods wrapped (restored on exit); outermost
+  call per instance recorded (through any wrapper between the frameworks), except inside a
+  transform's body (`nnx.remat`, `nnx.scan`, ...) that the recorder has not opened, whose
+  module copies (named by their originals' tags, parity/compare/scopes.py) compute the
+  body's tracers: their paths go to `unrecorded`, as on the Linen side."""
   scopes.tag_paths(model, rename)
-  with scopes.patched_module_calls(model, bridged.NnxCalls(_on_call(recorder))), recorder.opened():
+  with bridged.nnx_calls(_on_call(recorder), rename), recorder.opened():
     yield
 
 
@@ -477,25 +528,29 @@ def _probe(traced: Callable, seen: list[Recorder], params: Any, args: tuple,
 
   outputs, inputs, cotangents, param_grads = jax.jit(run)(params, args)
   recorder = seen[0]
-  probe = adapter.Probe(
+  return RecordedProbe(
       order=list(recorder.order),
       inputs=dict(inputs),
       outputs=flat_outputs(outputs),
       cotangents=flat_outputs(cotangents),
       param_grads=name_grads(param_grads),
       unrecorded=recorder.unrecorded_calls(),
+      events=list(recorder.root.events),
+      callers=dict(recorder.root.callers),
+      stacked=dict(recorder.stacked),
   )
-  if recorder.stacked:
-    probe = _StackedProbe(**{f.name: getattr(probe, f.name) for f in dataclasses.fields(probe)},
-                          stacked=dict(recorder.stacked))
-  return probe
 
 
 @dataclasses.dataclass(frozen=True)
-class _StackedProbe(adapter.Probe):
-  """A probe of opened stacks: `stacked`, each stack's path -> the parameters its scan slices
-  by layer on axis 0 (their gradients are compared layer by layer in the backward pass)."""
+class RecordedProbe(adapter.Probe):
+  """A probe as the recorder makes it: `inputs`, each call's arrays by argument name;
+  `events`, ('call' | 'return', key) in execution order (a call's arguments are compared
+  as it starts); `callers`, each call's caller (the module whose code made its arguments);
+  `stacked`, each opened stack's path -> the parameters its scan slices by layer on axis 0
+  (their gradients are compared layer by layer in the backward pass)."""
 
+  events: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+  callers: dict[str, str] = dataclasses.field(default_factory=dict)
   stacked: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
@@ -507,9 +562,9 @@ class _StackedProbe(adapter.Probe):
 @dataclasses.dataclass
 class Localization:
   forward: str | None  # the module whose forward computation first differs
-  forward_call: str | None  # the first module call whose output differs
+  forward_call: str | None  # the first module call whose output (or, inside, an argument) differs
   forward_inside: bool  # True: `forward` differs between its submodules' calls, not in one of them
-  forward_ulp: int | None  # max ULP of the first differing value (the call's input when inside); None: see _max_ulp
+  forward_ulp: int | None  # max ULP of the first differing value (an argument, inside); None: see _max_ulp
   backward: list[tuple[str, list[str]]]  # (module, its parameters whose gradients differ)
   only_linen: list[str]
   only_nnx: list[str]
@@ -526,6 +581,9 @@ class Localization:
   # With `forward_inside`: the outermost unrecorded calls inside `forward`, where the
   # difference may have arisen as well as in its own code.
   forward_unrecorded: tuple[str, ...] = ()
+  # With `forward_inside`: the argument of `forward_call` that differs (its name in the
+  # method's signature, Linen's), made by `forward`'s code.
+  forward_argument: str | None = None
 
   def first(self, step: int | None = None) -> dict[str, Any] | None:
     """The first divergent module: `{step, path, layer, pass, max_ulp}` (None: none found).
@@ -557,7 +615,12 @@ class Localization:
 
   def lines(self) -> list[str]:
     out = []
-    if self.forward is not None and self.forward_inside and self.forward_unrecorded:
+    if self.forward is not None and self.forward_inside and _module_of(self.forward_call) == ROOT:
+      out.append(
+          f'forward pass: the input of {self.forward_call} differs ({self.details[self.forward_call]}):'
+          ' the sides call the model with other arguments, made outside every recorded module call'
+      )
+    elif self.forward is not None and self.forward_inside and self.forward_unrecorded:
       out.append(
           f'forward pass: inside module {self.forward}: the input of {self.forward_call} differs'
           f' while every earlier recorded call agrees ({self.details[self.forward_call]}); it arose'
@@ -571,7 +634,9 @@ class Localization:
           f' ({self.details[self.forward_call]})'
       )
     elif self.forward is not None:
-      out.append(f'forward pass: first differs at module {self.forward} ({self.details[self.forward_call]})')
+      method = _method_of(self.forward_call)
+      shown = f'module {self.forward}' + (f', in its method {method}' if method else '')
+      out.append(f'forward pass: first differs at {shown} ({self.details[self.forward_call]})')
     else:
       out.append('forward pass: every module output bitwise equal')
     for module, params in self.backward:
@@ -627,7 +692,14 @@ def _outermost_inside(module: str, calls) -> tuple[str, ...]:
 
 
 def _module_of(key: str) -> str:
-  return key.split(':', 1)[0].split('#', 1)[0]
+  """The module of a call's key (or of one of its outputs, `key:sub`)."""
+  return _split_call(key.split(':', 1)[0])[0]
+
+
+def _method_of(key: str) -> str | None:
+  """The method of a call's key (None: `__call__`)."""
+  suffix = _split_call(key.split(':', 1)[0])[1]
+  return suffix[1:].split('#', 1)[0] if suffix.startswith('.') else None
 
 
 def _depth(module: str) -> int:
@@ -680,23 +752,41 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
   nnx_common = [k for k in nnx_probe.order if k in set(linen.order)]
   order_difference = next(
       ((i, a, b) for i, (a, b) in enumerate(zip(common, nnx_common)) if a != b), None)
-  forward_call = None
-  for call in common:
+  forward_call, argument = None, None
+  nnx_calls = set(nnx_probe.order)
+  # Execution order: a call's arguments as it starts, its output as it returns (a probe
+  # without its calls' starts: outputs alone, a differing one's arguments compared then).
+  events = getattr(linen, 'events', None) or [('return', k) for k in linen.order]
+  starts = any(kind == 'call' for kind, _ in events)
+  for kind, call in events:
+    if call not in nnx_calls:
+      continue
+    if kind == 'call':
+      argument = _argument_difference(linen.inputs.get(call), nnx_probe.inputs.get(call), call)
+      if argument is not None:
+        forward_call = call
+        break
+      continue
     subs = [k for k in linen.outputs if k.split(':')[0] == call]
     if any(k in nnx_probe.outputs and differs(linen.outputs[k], nnx_probe.outputs[k], k) for k in subs):
       forward_call = call
       details.setdefault(call, next(details[k] for k in subs if k in details))
+      if not starts:
+        argument = _argument_difference(linen.inputs.get(call), nnx_probe.inputs.get(call), call)
       break
-  forward, inside = None, False
-  if forward_call is not None:
+  forward, inside, forward_ulp = None, False, None
+  if forward_call is not None and argument is None:
     forward = _module_of(forward_call)
-    a, b = linen.inputs.get(forward_call), nnx_probe.inputs.get(forward_call)
-    input_diff = None if a is None or b is None else bitwise.compare_leaves(forward_call, a, b)
-    if input_diff is not None:
-      details[forward_call] = 'its input: ' + input_diff.detail
-      # Its input already differs, though every call before it agreed: the
-      # difference arose in the parent's own code between its submodules.
-      forward, inside = (forward.rsplit('/', 1)[0] if '/' in forward else ROOT), True
+    keys = [k for k in linen.outputs if k.split(':')[0] == forward_call and k in nnx_probe.outputs]
+    forward_ulp = _max_ulp((linen.outputs[k], nnx_probe.outputs[k]) for k in keys)
+  elif forward_call is not None:
+    # An argument differs while every earlier call agrees: the module that made it, its
+    # caller, computes otherwise in its own code between its submodules' calls (the one
+    # that received it is not to blame).
+    name, diff, a, b = argument
+    details[forward_call] = f'its argument {name}: {diff.detail}'
+    caller = _caller(linen, nnx_probe, forward_call)
+    forward, inside, forward_ulp = (ROOT if caller is None else _module_of(caller)), True, bitwise.ulp_distance(a, b)
   cot_equal = {
       call for call in common
       if all(
@@ -738,13 +828,11 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       forward=forward,
       forward_call=forward_call,
       forward_inside=inside,
-      forward_ulp=_forward_ulp(linen, nnx_probe, forward_call, inside),
+      forward_ulp=forward_ulp,
       backward=backward,
       # A call whose counterpart runs inside a transformed body is not missing there.
-      only_linen=[k for k in linen.order
-                  if k not in set(nnx_probe.order) and k.split('#')[0] not in set(nnx_probe.unrecorded)],
-      only_nnx=[k for k in nnx_probe.order
-                if k not in set(linen.order) and k.split('#')[0] not in set(linen.unrecorded)],
+      only_linen=_one_sided(linen.order, nnx_probe),
+      only_nnx=_one_sided(nnx_probe.order, linen),
       details=details,
       backward_ulp=backward_ulp,
       compared_calls=len(common),
@@ -754,7 +842,16 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       order_difference=order_difference,
       unrecorded=unrecorded,
       forward_unrecorded=_outermost_inside(forward, unrecorded) if inside else (),
+      forward_argument=argument[0] if argument is not None else None,
   )
+
+
+def _one_sided(order: list[str], other: adapter.Probe) -> list[str]:
+  """The calls of `order` the other side does not make: neither inside a transformed body
+  there, nor a method call (`embed.attend`), which the other side may compute in its
+  caller's code (compared where both make it)."""
+  made, unrecorded = set(other.order), set(other.unrecorded)
+  return [k for k in order if k not in made and _module_of(k) not in unrecorded and _method_of(k) is None]
 
 
 def _stacked(linen: adapter.Probe, nnx_probe: adapter.Probe) -> dict[str, tuple[str, ...]]:
@@ -775,13 +872,46 @@ def _layer_params(module: str, stacked: dict[str, tuple[str, ...]], params: list
   return None
 
 
-def _forward_ulp(linen: adapter.Probe, nnx_probe: adapter.Probe, call: str | None, inside: bool) -> int | None:
-  if call is None:
-    return None
-  if inside:
-    return bitwise.ulp_distance(linen.inputs[call], nnx_probe.inputs[call])
-  keys = [k for k in linen.outputs if k.split(':')[0] == call and k in nnx_probe.outputs]
-  return _max_ulp((linen.outputs[k], nnx_probe.outputs[k]) for k in keys)
+def _caller(linen: adapter.Probe, nnx_probe: adapter.Probe, call: str) -> str | None:
+  """The call under way when `call` started (Linen's, else NNX's; for a probe that does not
+  record callers, the module above it by path); None for an outermost call."""
+  for probe in (linen, nnx_probe):
+    callers = getattr(probe, 'callers', None)
+    if callers:
+      return callers.get(call)
+  module = _module_of(call)
+  return None if module == ROOT else (module.rsplit('/', 1)[0] if '/' in module else ROOT)
+
+
+def _arguments(recorded: Any) -> dict[str, Any]:
+  """A call's recorded arrays by argument name (a lone array: `input`)."""
+  if recorded is None:
+    return {}
+  return dict(recorded) if isinstance(recorded, dict) else {'input': recorded}
+
+
+def _argument_difference(linen_args: Any, nnx_args: Any, call: str):
+  """(name, difference, Linen's, NNX's) of the first argument of `call` that differs, in
+  Linen's order; None where every argument found on both sides is bitwise equal.
+
+  Arguments pair by name, then those named otherwise in order, where their shapes and dtypes
+  agree (`inputs` in one framework's layer, `x` in the other's); one given on one side only
+  (an RNG key one framework takes at the call) is not compared.
+  """
+  a, b = _arguments(linen_args), _arguments(nnx_args)
+  rest = [n for n in b if n not in a]
+  for name, x in a.items():
+    other = name if name in b else next(
+        (n for n in rest if tuple(b[n].shape) == tuple(x.shape)
+         and paths.dtype_name(b[n].dtype) == paths.dtype_name(x.dtype)), None)
+    if other is None:
+      continue
+    if other != name:
+      rest.remove(other)
+    diff = bitwise.compare_leaves(f'{call}({name})', x, b[other])
+    if diff is not None:
+      return name, diff, x, b[other]
+  return None
 
 
 def _max_ulp(pairs) -> int | None:

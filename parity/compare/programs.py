@@ -10,14 +10,16 @@ constants repeated per use. None of that is the computation, so
 `canonicalize` removes all of it (it reads the program as a dataflow graph);
 what is left differs only where the computation does, and `diff` shows where.
 
-One of those orders is not only spelling: the order of a loop's carried
-values is the order XLA's scheduler starts from, and XLA:GPU has scheduled
-the same loop body otherwise with its values in another order (the fp8
+The order of a loop's carried values is spelling too: Linen's `nn.scan` and
+a `jax.lax.scan` over `nnx.split` state carry the same values in another
+order. Every loop is read with its carried values ordered by what they are,
+so such loops are the same program. XLA's scheduler starts from that
+order, and XLA:GPU has scheduled one loop body otherwise for it (the fp8
 decoder on an H100: +32 KiB of temporaries, every number bitwise equal;
-XLA:CPU gave equal memory). So where the canonical programs are identical,
-`diff` also compares each loop's carried types in order (`loop_carries`;
-loops paired by what they carry, not by where the text prints them), which
-the CPU suite can check without the GPU.
+XLA:CPU gave equal memory): the memory part measures that, and where the
+canonical programs are identical `diff` notes such a loop
+(`loop_order_difference`; loops paired by what they carry, not by where
+the text prints them) without calling it a difference.
 
 `sharding_annotations` reads the sharding attributes of a lowered program
 (GSPMD `mhlo.sharding` and Shardy `sdy.sharding` spellings), so tests can
@@ -184,8 +186,9 @@ def _parse_functions(text: str) -> list[_Function | str]:
 #     the hash of that reading: the order in which jax collected a function's
 #     arguments and results (e.g. the residuals a layer saves for the
 #     backward pass) does not matter, nor do function names;
-#   - a while loop's carried values are put in an order of their own (by
-#     type, initial value and what the body returns for them), for the same
+#   - every while loop's carried values are put in an order of their own (by
+#     type, initial value and what the body returns for them, refined until
+#     values that still tie are one value: `_carry_classes`), for the same
 #     reason;
 #   - @main's arguments are numbered by first use (looking into calls), its
 #     results sorted by name: the pytree order of each side's state does not
@@ -302,6 +305,11 @@ def _canonical_indices(keys: list[str]) -> tuple[list[int], dict[int, int]]:
   for new, old in enumerate(order):
     first.setdefault(keys[old], new)
   return order, {old: first[keys[old]] for old in range(len(keys))}
+
+
+def _refined(classes: list[str], keys: list[str]) -> list[str]:
+  """Each class split by the keys of its members (a refinement: no two classes merge)."""
+  return [_hash(f'{c}|{k}') for c, k in zip(classes, keys)]
 
 
 class _Canonicalizer:
@@ -526,10 +534,10 @@ class _Canonicalizer:
 
     jax orders a scan's carried values as it collects them (e.g. the
     residuals a layer saves for the backward pass), and two spellings of one
-    model collect them in different orders. Each carried value is keyed by
-    its type, initial value and what the body returns for it (the body read
-    with carried values named by type and initial value, not position); the
-    carried values are then numbered in key order.
+    model collect them in different orders (Linen's `nn.scan` against a
+    `jax.lax.scan` over `nnx.split` state). Every loop's carried values are
+    numbered in the order of their classes (`_carry_classes`): what a carried
+    value is, not where it sits.
     """
     m = _WHILE.match(parts[0][1])
     regions = [p for kind, p in parts if kind == 'region']
@@ -543,15 +551,12 @@ class _Canonicalizer:
         return None
       names.append(name.strip())
       inits.append(_substitute(init.strip(), scope))
-    n = len(names)
-    by_class = {names[i]: f'%c{depth}_{_hash(types[i] + inits[i])}' for i in range(n)}
-    body = self._block(regions[1], {**scope, **by_class}, depth + 1)
-    returned = _return_operands(body[-1]) if body else None
-    if returned is None or len(returned) != n:
+    keys = self._carry_classes(regions, scope, names, types, inits, depth)
+    if keys is None:
       return None
-    order, _ = _canonical_indices([f'{types[i]}|{inits[i]}|{returned[i]}' for i in range(n)])
-    position = {old: new for new, old in enumerate(order)}
-    local = {names[i]: f'%b{depth}_{position[i]}' for i in range(n)}
+    # Values with one key are one value (`_carry_classes`): named, and their results read, alike.
+    order, one = _canonical_indices(keys)
+    local = {names[i]: f'%b{depth}_{one[i]}' for i in range(len(names))}
     inner_scope = {**scope, **local}
     header = (
         f'{m.group(1)} = stablehlo.while('
@@ -571,7 +576,48 @@ class _Canonicalizer:
         block[-1] = permuted
       out.extend(_INDENT + l for l in block)
       region_index += 1
-    return out, position
+    return out, one
+
+  def _loop_body(self, regions, scope, names, labels, depth) -> list[str]:
+    """A loop's body read with each carried value named by its label."""
+    return self._block(regions[1], {**scope, **dict(zip(names, labels))}, depth + 1)
+
+  def _carry_classes(self, regions, scope, names, types, inits, depth) -> list[str] | None:
+    """Each carried value's sort key: its type, initial value and what the body returns for it,
+    refined until values with one key hold one value (None where the loop cannot be read).
+
+    The body is read with the carried values named by class, not position, so
+    the keys do not depend on the carried order. The values of one type and
+    initial value start as one class (taken to be one value) and a class is
+    split by what the body returns for its values, read with every value
+    named by its class (so `a + c` and `b + d` part once `c` and `d` have),
+    until no class splits. Then the values of a class start alike and step
+    alike, so they are one value throughout (a scan's constant jax passes
+    twice, or two counters from 0 by 1), whichever of them the program reads
+    where: they are named alike. The first reading's keys lead, so a loop
+    whose values part at once is ordered as by type, initial value and what
+    it returns.
+    """
+    n = len(names)
+    classes = [_hash(types[i] + inits[i]) for i in range(n)]
+    first = None
+    while True:
+      labels = [f'%c{depth}_{c}' for c in classes]
+      body = self._loop_body(regions, scope, names, labels, depth)
+      returned = _return_operands(body[-1]) if body else None
+      if returned is None or len(returned) != n:
+        return None
+      keys = [f'{types[i]}|{inits[i]}|{returned[i]}' for i in range(n)]
+      first = first or keys
+      refined = _refined(classes, keys)
+      shared = collections.Counter(refined)
+      # No class split, or only values alone in theirs and classes the body returns as they
+      # are (which cannot split: all their keys are one): the next reading would split none.
+      moving = {c for c, r, label in zip(classes, returned, labels) if r != label}
+      if len(shared) == len(set(classes)) or all(classes[i] not in moving for i in range(n)
+                                                 if shared[refined[i]] > 1):
+        return [f'{first[i]}|{refined[i]}' for i in range(n)]
+      classes = refined
 
   def _case(self, parts, scope, depth) -> tuple[list[str], dict[int, int]] | None:
     """A conditional (`stablehlo.case`, `stablehlo.if`) with its results in a canonical order.
@@ -713,6 +759,12 @@ class _Canonicalizer:
       body = [_INDENT + l for l in self._block(fn.body, scope, depth)]
       body, results, result_order = _sort_results(body, fn.results)
       arg_order = sorted(range(len(fn.args)), key=lambda i: (operands[i], fn.args[i][1], i))
+      # One value passed at several positions is read once: the body names each by the value,
+      # so a function given `x` twice reads as one given it once (a jit boundary that passes
+      # one value twice, as one it takes as the same state by two paths, is the same program).
+      seen: set[tuple[str, str]] = set()
+      arg_order = [i for i in arg_order if not ((operands[i], fn.args[i][1]) in seen
+                                               or seen.add((operands[i], fn.args[i][1])))]
       args = ', '.join(f'{operands[i]}: {fn.args[i][1]}' for i in arg_order)
       arrow = f' -> {results}' if results else ''
       signature = f'func.func private {{name}}({args}){arrow} {{'
@@ -1054,8 +1106,9 @@ def loop_order_difference(
 ) -> str:
   """'' when both programs' loops carry the same types in the same order; else where they differ.
 
-  `reorder_only`: only a loop carrying the same values in another order is
-  reported (programs that differ otherwise too may still show that one).
+  Not a difference of programs (`diff` reads every loop's carried order
+  away): a note of what XLA schedules from. `reorder_only`: only a loop
+  carrying the same values in another order is reported.
 
   Loops are paired by what they carry, not by their place in the text: the
   two sides may print their private functions, and so their loops, in
@@ -1149,8 +1202,7 @@ def loop_carry_growth(
 @dataclasses.dataclass
 class ProgramDiff:
   identical: bool
-  # 1-based line in the canonical Linen program; None when identical, or when the
-  # canonical programs are identical and only a loop's carried order differs.
+  # 1-based line in the canonical Linen program; None when identical.
   first_difference: int | None
   linen_lines: int
   nnx_lines: int
@@ -1163,9 +1215,10 @@ class ProgramDiff:
   # values only it computes, from operands both compute; [] when identical.
   parting_linen: list[str] = dataclasses.field(default_factory=list)
   parting_nnx: list[str] = dataclasses.field(default_factory=list)
-  loop_order: str = ''  # `loop_order_difference` where the canonical programs are identical
-  # Where they differ: a loop carrying the same values in another order, if one does.
-  loop_reorder: str = ''
+  # A note, not a difference: where the canonical programs are identical, a loop carrying the
+  # same values in another order (`loop_order_difference`). The same program; XLA schedules
+  # from the carried order, and where that changes memory, the memory part measures it.
+  loop_order: str = ''
   # Arguments (by name) of one program only: state one side has and the other has not,
   # or an input one side never reads (jit drops it).
   arguments_only_linen: list[str] = dataclasses.field(default_factory=list)
@@ -1178,12 +1231,10 @@ class ProgramDiff:
     if self.identical:
       except_ = f' except: {", ".join(self.allowed)}' if self.allowed else ''
       return f'programs identical{except_} ({self.linen_lines} canonical lines)'
-    if self.loop_order:
-      return f'programs differ: the same computation, but {self.loop_order}'
     return (
         f'programs differ: first difference at canonical line {self.first_difference}'
         f' of {self.linen_lines} (Linen) / {self.nnx_lines} (NNX); {self.changed_lines}'
-        ' lines changed' + (f'; besides, {self.loop_reorder}' if self.loop_reorder else '')
+        ' lines changed'
         + (f'; {self.loop_growth}' if self.loop_growth and loop_growth else '')
         + one_sided_arguments(self.arguments_only_linen, self.arguments_only_nnx)
     )
@@ -1293,8 +1344,10 @@ def diff(
   allowed_names = [a.name for a in allowed]
   if full[0] == full[1]:
     n = len(full[0].splitlines())
-    loop_order = loop_order_difference(linen_text, nnx_text, opaque_modules=opaque_modules)
-    return ProgramDiff(not loop_order, None, n, n, 0, '', allowed=allowed_names, loop_order=loop_order)
+    # Loops carrying the same values in another order are the same program (the canonical
+    # form orders every loop's carried values by what they are): noted, not a difference.
+    loop_order = loop_order_difference(linen_text, nnx_text, reorder_only=True, opaque_modules=opaque_modules)
+    return ProgramDiff(True, None, n, n, 0, '', allowed=allowed_names, loop_order=loop_order)
   a, b = (t.splitlines() for t in _short_names(full))
   matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
   opcodes = [op for op in matcher.get_opcodes() if op[0] != 'equal']
@@ -1316,8 +1369,7 @@ def diff(
       first_linen=_clip(first_a, width, start), first_nnx=_clip(first_b, width, start),
       parting_linen=[_clip(a[i].strip(), width) for i in parting[0]],
       parting_nnx=[_clip(b[i].strip(), width) for i in parting[1]],
-      allowed=allowed_names, loop_reorder=loop_order_difference(linen_text, nnx_text, reorder_only=True,
-                                                                 opaque_modules=opaque_modules),
+      allowed=allowed_names,
       loop_growth=loop_carry_growth(linen_text, nnx_text, linen_args, nnx_args),
       **_arguments_only(linen_args, nnx_args),
   )

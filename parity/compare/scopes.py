@@ -17,17 +17,23 @@ Modules called inside an NNX transform's body (`nnx.remat`, `nnx.scan`,
 instances found in the model. So the outermost call tags every module of
 its graph with its path (`tag_paths`, an attribute NNX keeps in the
 graphdef as static data, as it keeps a layer's `features`): a copy carries
-its original's tag, and is named as it is.
+its original's tag, and is named as it is. The attribute's name starts as
+NNX's own bookkeeping does (`_pytree__`), which a module that hands its
+attributes to a Linen module as variables (flax's `nnx.bridge.ToNNX`, a
+project's copy of it) leaves out as it leaves out NNX's own.
+
+`patched_module_methods` patches every NNX module class there is, `__call__`
+and public methods: what the kit's call recorders use
+(parity/compare/bridged.py), since a wrapper may build a module of any class.
 """
 from __future__ import annotations
 
 import contextlib
-import weakref
+import inspect
 from typing import Any, Callable, Iterator
 
 import jax
 from flax import nnx
-from flax.nnx import bridge as nnx_bridge
 
 
 def call_owner(module: nnx.Module) -> type | None:
@@ -58,8 +64,12 @@ def patched_module_calls(sample: nnx.Module, wrap: Callable[[Callable], Callable
 
 
 # The attribute holding a module's path (relative to the outermost module
-# called); static data of the graphdef, so transforms' copies keep it.
-PATH_ATTRIBUTE = '_parity_module_path'
+# called); static data of the graphdef, so transforms' copies keep it. Named as
+# NNX's own state (`_pytree__state`), which wrappers handing a module's attributes
+# to Linen as variables leave out (flax's ToNNX, MaxText's copy of it).
+PATH_ATTRIBUTE = '_pytree__parity_path'
+# Its path as it is (`rename` not applied): what a Linen module it applies is named under.
+OWN_PATH_ATTRIBUTE = '_pytree__parity_own_path'
 
 
 def tag_paths(root: nnx.Module, rename: Callable[[str], str], prefix: str = '') -> dict[int, str]:
@@ -69,23 +79,65 @@ def tag_paths(root: nnx.Module, rename: Callable[[str], str], prefix: str = '') 
   paths: dict[int, str] = {}
   for path, node in nnx.iter_graph(root):
     if isinstance(node, nnx.Module) and id(node) not in paths:
-      own = rename('/'.join(str(p) for p in path)) if path else ''
-      paths[id(node)] = '/'.join(p for p in (prefix, own) if p)
-      if isinstance(node, nnx_bridge.ToNNX):  # it reads every attribute as a Linen variable
-        _UNTAGGABLE[node] = paths[id(node)]
-      else:
-        object.__setattr__(node, PATH_ATTRIBUTE, paths[id(node)])
+      own = '/'.join(str(p) for p in path)
+      paths[id(node)] = '/'.join(p for p in (prefix, rename(own) if own else '') if p)
+      object.__setattr__(node, PATH_ATTRIBUTE, paths[id(node)])
+      object.__setattr__(node, OWN_PATH_ATTRIBUTE, '/'.join(p for p in (prefix, own) if p))
   return paths
 
 
-# Modules that cannot hold the tag, by instance (a transform's copy of one is untagged).
-_UNTAGGABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def tagged_path(module: nnx.Module, renamed: bool = True) -> str | None:
+  """The path `tag_paths` gave `module` or the original it was copied from, renamed or as it
+  is (None: untagged)."""
+  if not hasattr(module, '__dict__'):
+    return None
+  return vars(module).get(PATH_ATTRIBUTE if renamed else OWN_PATH_ATTRIBUTE)
 
 
-def tagged_path(module: nnx.Module) -> str | None:
-  """The path `tag_paths` gave `module` or the original it was copied from (None: untagged)."""
-  path = getattr(module, PATH_ATTRIBUTE, None)
-  return _UNTAGGABLE.get(module) if path is None else path
+def module_classes() -> list[type]:
+  """Every NNX module class defined so far (subclasses of `nnx.Module`, at any depth)."""
+  seen, stack = [], [nnx.Module]
+  while stack:
+    for sub in type.__subclasses__(stack.pop()):
+      if sub not in seen:
+        seen.append(sub)
+        stack.append(sub)
+  return seen
+
+
+# nnx.Module's own API (`sow`, `train`, ...): not a layer's computation.
+_MODULE_API = frozenset(name for name in dir(nnx.Module) if not name.startswith('_'))
+
+
+def _recorded_methods(cls: type) -> list[str]:
+  """The methods of `cls` (its own, not inherited) a call recorder wraps: `__call__` and
+  public functions, but not NNX's own API; of flax's bridge and container classes
+  (`bridge.Module.param`, `List.append`), `__call__` only."""
+  own = cls.__dict__
+  names = ['__call__'] if callable(own.get('__call__')) and not isinstance(
+      own.get('__call__'), (staticmethod, classmethod)) else []
+  if cls.__module__.startswith(('flax.nnx.bridge', 'flax.nnx.helpers')):
+    return names
+  return names + [name for name, value in own.items()
+                  if not name.startswith('_') and name not in _MODULE_API and inspect.isfunction(value)]
+
+
+@contextlib.contextmanager
+def patched_module_methods(wrap: Callable[[Callable, str], Callable]) -> Iterator[None]:
+  """Every NNX module class's `__call__` and public methods replaced by `wrap(original, name)`
+  (restored on exit): instances traced meanwhile, of any class (one a wrapper builds, one
+  `nnx.merge` creates), are wrapped."""
+  patched = []
+  try:
+    for cls in module_classes():
+      for name in _recorded_methods(cls):
+        original = cls.__dict__[name]
+        setattr(cls, name, wrap(original, name))
+        patched.append((cls, name, original))
+    yield
+  finally:
+    for cls, name, original in reversed(patched):
+      setattr(cls, name, original)
 
 
 @contextlib.contextmanager

@@ -276,3 +276,44 @@ def scan_check_pass_marked() -> Iterator[None]:
 def in_scan_check_pass() -> bool:
   """True inside the check pass of a Linen scan's body (see `scan_check_pass_marked`)."""
   return _SCAN_CHECK_DEPTH[0] > 0
+
+
+def current_trace() -> Any:
+  """An opaque token of the jax trace now active, equal for the same trace (flax's own check)."""
+  import jax.extend
+
+  return jax.extend.core.get_opaque_trace_state(convention='nnx')
+
+
+def set_variable_value(variable: nnx.Variable, value: Any) -> None:
+  """Replaces a variable's whole value (not an indexed update: no scatter in the program)."""
+  if hasattr(variable, 'set_value'):
+    variable.set_value(value)
+  else:
+    variable.value = value
+
+
+def orbax_empty_or_leaf(x: Any) -> bool:
+  """Orbax's own test for where a saved tree stops: a leaf, or an empty node (None, an
+  optax `EmptyState()`, `{}`), which Orbax records as a placeholder."""
+  try:
+    from orbax.checkpoint._src.tree import utils as orbax_tree  # pylint: disable=g-import-not-at-top
+
+    return orbax_tree.is_empty_or_leaf(x)
+  except (ImportError, AttributeError):
+    children = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
+    return not children or (len(children) == 1 and children[0] is x)
+
+
+def orbax_empty_typestr(x: Any) -> str:
+  """The `value_type` Orbax writes in `_METADATA` for an empty node of a saved tree."""
+  try:
+    from orbax.checkpoint._src.metadata import empty_values  # pylint: disable=g-import-not-at-top
+    from orbax.checkpoint._src.metadata import pytree_metadata_options  # pylint: disable=g-import-not-at-top
+
+    options = pytree_metadata_options.PYTREE_METADATA_OPTIONS
+    if not empty_values.is_supported_empty_value(x, options):
+      return 'None'  # as Orbax's get_param_typestr: an optax EmptyState() without rich types
+    return empty_values.override_empty_value_typestr(empty_values.get_empty_value_typestr(x, options), options)
+  except (ImportError, AttributeError):
+    return 'None'

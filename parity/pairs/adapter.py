@@ -169,11 +169,13 @@ class KnownDifference:
   compared; parity.compare.programs `opaque_modules`;
   the NNX side names its module calls by their Linen paths, parity/compare/scopes.py,
   in an optional `lower_for_comparison(state, batch, dropout_base)` as
-  StockNnx has; a side without it leaves nothing out). With 'memory' too (only
-  beside 'program': a lowering that differs may place its temporaries
-  differently), XLA's memory analysis of the train steps may differ in the
-  temporaries, and so the peak, by at most `max_temp_bytes` each; the
-  arguments, outputs and aliased bytes (the state) stay equal to the byte.
+  StockNnx has; a side without it leaves nothing out). With 'memory' (beside
+  'program': a lowering that differs may place its temporaries differently;
+  or alone: the same program whose loop carries its values in another order,
+  by which XLA lays out the loop's buffers), XLA's memory analysis of the
+  train steps may differ in the temporaries, and so the peak, by at most
+  `max_temp_bytes` each; the arguments, outputs and aliased bytes (the
+  state) stay equal to the byte.
   `reason` (the cause, with its evidence) goes into the report and every
   failure message. A pass name the battery does not know is an error.
 
@@ -203,11 +205,6 @@ class KnownDifference:
     unknown = [p for p in self.passes if p not in PASSES]
     if unknown:
       raise ValueError(f'KnownDifference passes {unknown}: not passes the battery knows {PASSES}')
-    if 'memory' in self.passes and 'program' not in self.passes:
-      raise ValueError(
-          "KnownDifference passes: 'memory' only beside 'program' (memory may differ only where a"
-          ' declared program difference explains it)'
-      )
 
   @property
   def value_passes(self) -> tuple[str, ...]:
@@ -338,7 +335,8 @@ class Pair:
       raise ValueError(f"Pair {self.name!r} meshes: a sequence of mesh specs such as ('data=8',), got {self.meshes!r}")
 
   def program_difference(self) -> KnownDifference | None:
-    return next((d for d in self.known_differences if 'program' in d.passes), None)
+    """The declared difference of the steps' programs or memory (None: none declared)."""
+    return next((d for d in self.known_differences if {'program', 'memory'} & set(d.passes)), None)
 
   def known(self, path: str, pass_name: str) -> KnownDifference | None:
     for d in self.known_differences:

@@ -4,8 +4,10 @@ Linen names a stock model's modules automatically (`Dense_0`,
 `MlpBlock_0/Dropout_1`); an NNX port names them by attribute (`mlp/linear1`,
 `mlp/dropout`). The kit infers the mapping from one traced forward pass on
 each side (`jax.eval_shape`: nothing is compiled): the module calls in the
-order they return, each with its class and the shapes and dtypes of the
-parameters it owns and of those below it. The two call sequences are
+order they return (`__call__` and the public methods a caller calls, such as
+`Embed.attend`: `Embed_0.attend`; through any wrapper between the frameworks,
+parity/compare/bridged.py), each with its class and the shapes and dtypes of
+the parameters it owns and of those below it. The two call sequences are
 aligned in order, a call pairing with a compatible one (same class, up to
 the stock layers' renames such as `Dense` -> `Linear`, and the same
 parameters); the alignment gives
@@ -17,9 +19,11 @@ parameters); the alignment gives
   localizer compares them call by call, and stock dropout draws each call's
   Linen key (parity/pairs/dropout.py).
 
-Rules the user gives (`Renames`) win where they speak. A parameter left
-without a counterpart, or a module whose counterpart the order cannot decide,
-ends in one `CorrespondenceError` listing each with its candidates.
+Rules the user gives (`Renames`) win where they speak: no rule is inferred
+for a path one covers, and a module a given rule pairs with one the other
+side calls is paired. A module with parameters left without a counterpart
+(the order cannot decide) ends in one `CorrespondenceError` listing each
+with its candidates.
 """
 from __future__ import annotations
 
@@ -54,12 +58,13 @@ class CorrespondenceError(ValueError):
 class Call:
   """One module call, in the order calls return (children before their parent)."""
 
-  key: str  # the module's path, `path#n` for its n-th repeat
+  key: str  # the module's path (`path.method` for a method's call), `#n` after it for its n-th repeat
   path: str
   cls: str
   own: tuple  # ((parameter name, shape, dtype), ...) of the parameters the module owns
   below: tuple  # sorted ((shape, dtype), ...) of every parameter at or below the module
   kinds: frozenset = frozenset()  # its class and base classes, by name (stock names as NNX's)
+  method: str = '__call__'  # the method called (`attend`: key `path.attend`)
 
   @property
   def label(self) -> str:
@@ -96,30 +101,34 @@ def _kinds(cls: type) -> frozenset:
                    if c not in (object, nn.Module, nnx.Module) and not c.__module__.startswith(('abc', 'typing')))
 
 
-def _calls(order: list[tuple[str, type]], flat_params: dict[str, Any]) -> list[Call]:
+def _calls(order: list[tuple[str, str, type, type | None]], flat_params: dict[str, Any]) -> list[Call]:
   groups = _param_groups(flat_params)
   seen: collections.Counter = collections.Counter()
   out = []
-  for path, cls_type in order:
+  for path, method, cls_type, wrapped in order:
     cls = cls_type.__name__
-    n = seen[path]
-    seen[path] += 1
+    name = path if method == '__call__' else f'{path}.{method}'
+    n = seen[name]
+    seen[name] += 1
     below = sorted(
         (shape, dtype) for module, params in groups.items()
         if module == path or not path or module.startswith(path + '/')
         for _, shape, dtype in params
     )
-    out.append(Call(path if n == 0 else f'{path}#{n}', path, cls, tuple(sorted(groups.get(path, ()))),
-                    tuple(below), _kinds(cls_type)))
+    # A wrapper is also of the class it wraps (a ToLinen of an NNX Mlp pairs as an Mlp).
+    kinds = _kinds(cls_type) | (_kinds(wrapped) if wrapped is not None else frozenset())
+    out.append(Call(name if n == 0 else f'{name}#{n}', path, cls, tuple(sorted(groups.get(path, ()))),
+                    tuple(below), kinds, method))
   return out
 
 
-def _recorded(order: list[tuple[str, type]]) -> bridged.OnCall:
-  """Each module call appended to `order` as it returns (children before their parent)."""
+def _recorded(order: list[tuple[str, str, type, type | None]]) -> bridged.OnCall:
+  """Each module call appended to `order` as it returns (children before their parent):
+  its path, method, class and, for a wrapper, the class of the module it runs."""
 
-  def on_call(path, module, args, run):
+  def on_call(path, module, arguments, run):
     y = run()
-    order.append((path, type(module)))
+    order.append((path, arguments.method, type(module), arguments.wrapped))
     return y
 
   return on_call
@@ -127,7 +136,7 @@ def _recorded(order: list[tuple[str, type]]) -> bridged.OnCall:
 
 def linen_calls(linen_side: Any, state: Any, batch: Any, key: Any) -> list[Call]:
   """The Linen side's module calls in one traced train-mode loss (`loss(params, state, batch, key)`)."""
-  order: list[tuple[str, type]] = []
+  order: list[tuple[str, str, type, type | None]] = []
 
   def traced(state):
     del order[:]
@@ -140,14 +149,14 @@ def linen_calls(linen_side: Any, state: Any, batch: Any, key: Any) -> list[Call]
 
 def nnx_calls(nnx_side: Any, state: Any, batch: Any, key: Any) -> list[Call]:
   """The NNX side's module calls in one traced train-mode loss (`loss(model, batch, key)`)."""
-  order: list[tuple[str, type]] = []
+  order: list[tuple[str, str, type, type | None]] = []
 
   def traced(state):
     with compat.eager_sharding_off():
       model, _ = nnx.merge(nnx_side.graphdef, state)
     scopes.tag_paths(model, lambda p: p)
     del order[:]
-    with scopes.patched_module_calls(model, bridged.NnxCalls(_recorded(order))):
+    with bridged.nnx_calls(_recorded(order)):
       return nnx_side.loss(model, batch, key)
 
   jax.eval_shape(traced, state)
@@ -178,7 +187,9 @@ def _compatible(a: Call, b: Call) -> bool:
 def _bonus(a: Call, b: Call) -> int:
   """How well two calls pair: 2 compatible and of one class, 1 compatible only, or of one class
   owning no parameters with other parameters below (a container whose submodule Linen keeps in
-  another scope: `nn.RNN`'s cell is its parent's), 0 not at all."""
+  another scope: `nn.RNN`'s cell is its parent's), 0 not at all (calls of other methods)."""
+  if a.method != b.method:
+    return 0
   if _compatible(a, b):
     return 2 if _same_kind(a, b) else 1
   return 1 if not a.own and not b.own and _same_kind(a, b) else 0
@@ -236,6 +247,14 @@ def _other_layouts(linen: list[Call], nnx_: list[Call], pairs: list[tuple[int, i
   return notes
 
 
+def _first_calls(calls: list[Call]) -> list[int]:
+  """The index of each module's first call (of any method)."""
+  first: dict[str, int] = {}
+  for i, c in enumerate(calls):
+    first.setdefault(c.path, i)
+  return sorted(first.values())
+
+
 def _covered(rules: tuple[tuple[str, str], ...], path: str) -> bool:
   return any(path == l or path.startswith(l + '/') for l, _ in rules)
 
@@ -276,15 +295,20 @@ def infer(linen: list[Call], nnx_: list[Call], given: Renames = Renames()) -> Co
     if as_linen != l.key:
       call_keys.append((as_linen, l.key))
   problems = []
-  linen_params = {c.path for c in linen if c.own}
-  for i, c in enumerate(linen):
-    if i not in matched_linen and c.own and c.path in linen_params and c.key == c.path:
-      candidates = [d.label for d in nnx_ if d.own and sorted(s for _, s, _ in d.own) == sorted(s for _, s, _ in c.own)]
-      if table.to_nnx(c.path) not in {d.path for d in nnx_}:
-        problems.append(f'Linen {c.label}: no NNX module matched; candidates: {", ".join(candidates) or "none"}')
-  for j, c in enumerate(nnx_):
-    if j not in matched_nnx and c.own and c.key == c.path and table.to_linen(c.path) not in {d.path for d in linen}:
-      candidates = [d.label for d in linen if d.own and sorted(s for _, s, _ in d.own) == sorted(s for _, s, _ in c.own)]
+  # Each module with parameters, once: paired where one of its calls is, or where the table
+  # (the given rules, then the inferred) names a module the other side calls.
+  paired_linen, paired_nnx = {linen[i].path for i in matched_linen}, {nnx_[j].path for j in matched_nnx}
+  for i in _first_calls(linen):
+    c = linen[i]
+    if c.path not in paired_linen and c.own and table.to_nnx(c.path) not in {d.path for d in nnx_}:
+      candidates = [nnx_[k].label for k in _first_calls(nnx_) if nnx_[k].own
+                    and sorted(s for _, s, _ in nnx_[k].own) == sorted(s for _, s, _ in c.own)]
+      problems.append(f'Linen {c.label}: no NNX module matched; candidates: {", ".join(candidates) or "none"}')
+  for j in _first_calls(nnx_):
+    c = nnx_[j]
+    if c.path not in paired_nnx and c.own and table.to_linen(c.path) not in {d.path for d in linen}:
+      candidates = [linen[k].label for k in _first_calls(linen) if linen[k].own
+                    and sorted(s for _, s, _ in linen[k].own) == sorted(s for _, s, _ in c.own)]
       problems.append(f'NNX {c.label}: no Linen module matched; candidates: {", ".join(candidates) or "none"}')
   if problems:
     raise CorrespondenceError(

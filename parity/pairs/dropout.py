@@ -44,6 +44,7 @@ import contextlib
 from typing import Any, Callable, Iterator, Mapping
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from parity.core import compat
@@ -116,10 +117,23 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
     nnx_calls[id(rngs), path] += 1
     return id(rngs), path if n == 0 else f'{path}#{n}'
 
-  def linen_key(forward: int, call: str, stream):
+  held_roots: list = []  # (trace, the first held stream's key read in it)
+
+  def held_root(stream):
+    """A held stream's key, which `seed_held_streams` made the same for every held stream a trace
+    sees (the root, or one layer's key of the split): the first one read in the trace, so that
+    a layer's streams enter a loop as one array of keys, as Linen's one split does."""
+    trace = compat.current_trace()
+    for seen_trace, key in held_roots:
+      if seen_trace == trace:
+        return key
+    held_roots.append((trace, stream.key[...]))
+    return held_roots[-1][1]
+
+  def linen_key(forward: int, call: str, stream, held: bool = False):
     """The key Linen's make_rng('dropout') gives the Linen call of NNX `call`, from the stream's
     key as Linen's root; the stream advances as the draw it replaces would advance it."""
-    root = stream.key[...]
+    root = held_root(stream) if held else stream.key[...]
     stream()
     linen_call = call_keys.get(call, call)
     linen_path = linen_call.split('#', 1)[0]
@@ -140,7 +154,8 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
     if found is None:
       return original(self, inputs, deterministic=deterministic, rngs=rngs)
     stream = source[self.rng_collection] if isinstance(source, nnx.Rngs) else source
-    return original(self, inputs, deterministic=deterministic, rngs=linen_key(*found, stream))
+    key = linen_key(*found, stream, held=rngs is None)
+    return original(self, inputs, deterministic=deterministic, rngs=key)
 
   def attention(self, *args, rngs=None, **kwargs):
     """`nnx.MultiHeadAttention` given an Rngs or stream at the call, or holding one: its attention
@@ -151,7 +166,8 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
     if found is None:
       return original_attention(self, *args, rngs=rngs, **kwargs)
     stream = source['dropout'] if isinstance(source, nnx.Rngs) else source
-    return original_attention(self, *args, rngs=lambda: linen_key(*found, stream), **kwargs)
+    held = rngs is None
+    return original_attention(self, *args, rngs=lambda: linen_key(*found, stream, held), **kwargs)
 
   nnx.Dropout.__call__ = __call__
   nnx.MultiHeadAttention.__call__ = attention
@@ -184,23 +200,95 @@ def held_streams(model: nnx.Module) -> list[tuple[str, nnx.RngStream]]:
   return out
 
 
-def seed_held_streams(model: nnx.Module, root: Any) -> int:
-  """Seeds every stream `held_streams` finds with the key Linen's apply receives, `root`: a
-  stream of one key gets `root`, one stacked over L layers `jax.random.split(root, L)` (Linen's
-  `nn.scan` / `nn.vmap` with `split_rngs`). Returns how many streams were seeded."""
+# A held stream seeded and not yet resolved (static data of the graphdef, so the copies a jit
+# or a transform makes carry it): (the layers it is stacked over, 0 for none; whether its key
+# is a step's base key, its count the step, rather than the root itself).
+_PENDING = '_parity_pending_seed'
+
+
+def seed_held_streams(model: nnx.Module, root: Any, step: Any = None) -> int:
+  """Seeds every stream `held_streams` finds with the key Linen's apply receives, resolved inside
+  the model's call (`resolving_seeds`), where the Linen step derives its key: `root` itself, or
+  with `step`, `parity.step_key(root, step, 0)`; a stream stacked over L layers then gets
+  `jax.random.split(key, L)` (Linen's `nn.scan` / `nn.vmap` with `split_rngs`).
+
+  Here the stream only takes `root` as its key (and `step` as its count): no operation. Returns
+  how many streams were seeded.
+  """
   streams = held_streams(model)
   for _, stream in streams:
     current = stream.key[...]
-    typed = jax.dtypes.issubdtype(current.dtype, jax.dtypes.prng_key)
-    key = root
-    if typed and not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-      key = jax.random.wrap_key_data(key)
-    elif not typed and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-      key = jax.random.key_data(key)
+    typed = _typed(current)
     stacked = current.ndim - (0 if typed else 1)
     if stacked > 1:
       raise NotImplementedError(
           f'a dropout stream stacked over {stacked} axes (shape {current.shape}): the kit seeds '
           'streams of one key or stacked once (one scan or vmap over layers)')
-    stream.key[...] = jax.random.split(key, current.shape[0]) if stacked else key
+    object.__setattr__(stream, _PENDING, (current.shape[0] if stacked else 0, step is not None))
+    compat.set_variable_value(stream.key, _as_key(root, typed))
+    if step is not None:
+      compat.set_variable_value(stream.count, jnp.asarray(step, jnp.uint32))
   return len(streams)
+
+
+def _typed(key: Any) -> bool:
+  return jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+
+
+def _as_key(key: Any, typed: bool) -> Any:
+  """`key` as a typed key array (`typed`) or as raw key data."""
+  if typed and not _typed(key):
+    return jax.random.wrap_key_data(key)
+  if not typed and _typed(key):
+    return jax.random.key_data(key)
+  return key
+
+
+def _resolve(stream: nnx.RngStream) -> None:
+  """A seeded stream's key made the one Linen's apply receives (per layer where stacked)."""
+  from parity.core import rng
+
+  layers, from_step = getattr(stream, _PENDING)
+  key = stream.key[...]
+  typed = _typed(key)
+  if from_step:
+    key = rng.step_key(_as_key(key, False), stream.count[...], 0)
+  if layers:
+    key = jax.random.split(key, layers)
+  compat.set_variable_value(stream.key, _as_key(key, typed))
+  if from_step or layers:  # the count back to the stream's shape (its value is not drawn from)
+    compat.set_variable_value(stream.count, jnp.zeros((layers,) if layers else (), jnp.uint32))
+
+
+@contextlib.contextmanager
+def resolving_seeds(model_class: type) -> Iterator[None]:
+  """While active, a call of `model_class` first resolves the streams `seed_held_streams` seeded
+  in the model it is called on, once per trace: the key derivation then stands in the model's
+  call, inside the user's own step, where the Linen side derives its key."""
+  original = model_class.__dict__.get('__call__')
+  resolved: list = []  # the streams resolved, kept alive so that their ids stay theirs
+
+  def __call__(self, *args, **kwargs):
+    for _, stream in held_streams(self):
+      if getattr(stream, _PENDING, None) is not None and not any(stream is r for r in resolved):
+        _resolve(stream)
+        resolved.append(stream)
+    if original is not None:
+      return original(self, *args, **kwargs)
+    return super(model_class, self).__call__(*args, **kwargs)
+
+  model_class.__call__ = __call__
+  try:
+    yield
+  finally:
+    if original is None:
+      del model_class.__call__
+    else:
+      model_class.__call__ = original
+
+
+def clear_seeds(model: nnx.Module) -> None:
+  """The seeding marks taken off the streams of `model` (after the step they were for)."""
+  for _, stream in held_streams(model):
+    if getattr(stream, _PENDING, None) is not None:
+      object.__setattr__(stream, _PENDING, None)

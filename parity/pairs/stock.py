@@ -37,7 +37,6 @@ from parity.core.state import NNX_STEP_DTYPE
 from parity.core import compat
 from parity.pairs import adapter
 from parity.pairs import dropout
-from parity.core import rng as core_rng
 from parity.compare import decode_localize
 from parity.compare import localize
 from parity.compare import scopes
@@ -414,18 +413,21 @@ class StockNnx(_Stock):
     with compat.eager_sharding_off():
       return nnx.merge(self.graphdef, state)
 
-  def _seed_held_streams(self, model, root) -> None:
-    """With Linen's dropout keys, the streams `model` keeps are seeded with the key Linen's
-    apply receives (parity/pairs/dropout.py, `seed_held_streams`)."""
-    if self.dropout_keys == 'linen':
-      dropout.seed_held_streams(model, root)
+  @contextlib.contextmanager
+  def _held_streams_seeded(self, model, root, step=None):
+    """With Linen's dropout keys, the streams `model` keeps seeded with the key Linen's apply
+    receives, resolved in the model's call (parity/pairs/dropout.py, `seed_held_streams`)."""
+    if self.dropout_keys != 'linen' or not dropout.seed_held_streams(model, root, step):
+      yield
+      return
+    with dropout.resolving_seeds(type(model)):
+      yield
+    dropout.clear_seeds(model)
 
   def _train_fn(self, state, batch, dropout_base):
     model, optimizer = self._merge(state)
-    if self.dropout_keys == 'linen' and dropout.held_streams(model):
-      # The key a stock Linen step gives its apply: parity.step_key(dropout_base, step, 0).
-      self._seed_held_streams(model, core_rng.step_key(dropout_base, optimizer.step[...], 0))
-    with self._dropout_context(model):
+    # The key a stock Linen step gives its apply: parity.step_key(dropout_base, step, 0).
+    with self._dropout_context(model), self._held_streams_seeded(model, dropout_base, optimizer.step[...]):
       metrics = self.train_step_fn(model, optimizer, batch, dropout_base)
     return nnx.state((model, optimizer)), metrics
 
@@ -531,8 +533,8 @@ class StockNnx(_Stock):
 
   def _loss_value(self, model, batch, key):
     """The loss alone (with `has_aux`, the first of what `loss` returns)."""
-    self._seed_held_streams(model, key)
-    value = self.loss(model, batch, key)
+    with self._held_streams_seeded(model, key):
+      value = self.loss(model, batch, key)
     return value[0] if self.has_aux else value
 
   @functools.cached_property

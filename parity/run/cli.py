@@ -18,6 +18,17 @@ from parity.run.reference import reference_decoder
 
 
 def cmd_specs(args) -> int:
+  """`parity specs`: the reference decoder's spec tables, or with `--pair` a declared pair's."""
+  if args.pair:
+    from parity.run import pair_specs
+
+    pair = _load_pair(args.pair)
+    if args.activations and pair.activations_resolved and not args.mesh and pair.meshes:
+      args.mesh = pair.meshes[0]  # compared on its devices: asked for before jax starts
+      prepare_xla(args)
+    return pair_specs.command(args, pair)
+  args.preset = args.preset or 'default'
+  args.scenario = args.scenario or '01_baseline'
   return reference_decoder().specs_command(args)
 
 
@@ -98,6 +109,9 @@ def cmd_compare(args) -> int:
   args.scenario = args.scenario or '01_baseline'
   args.init = args.init or 'linen'
   if args.processes > 1 and not _in_worker():
+    if not args.pair:  # one message before any process starts where there is no reference
+      from parity.run.reference import reference_checkout
+      reference_checkout()
     return _launch_processes(args)
   from parity.core.errors import TreeMismatchError
   from parity.pairs import adapter
@@ -354,7 +368,8 @@ def out_of_memory_message(error: BaseException, args) -> str | None:
 
 
 def cmd_renames(args) -> int:
-  """`parity renames --pair FILE.py:NAME`: the inferred module correspondences, as Python."""
+  """`parity renames --pair FILE.py:NAME`: the inferred module correspondences, as Python (the
+  given ones alone where the NNX side infers none, `infer_renames=False`)."""
   from parity.core import rng
   from parity.pairs import correspond
 
@@ -364,6 +379,10 @@ def cmd_renames(args) -> int:
   if infer is None:
     raise BadInput(f'--pair {args.pair}: its NNX side ({type(nnx_side).__name__}) does not infer'
                    ' correspondences (parity.StockNnx does)')
+  if getattr(nnx_side, 'infer_renames', True) is False:  # the side takes its given renames alone
+    print(f'# {pair.name}: module correspondences given (infer_renames=False: nothing inferred)')
+    print(correspond.Correspondence(getattr(nnx_side, 'renames', correspond.Renames())).python())
+    return 0
   key = rng.step_key(rng.base_key(pair.seed), 0, 0)
   try:
     found = infer(linen, pair.batch(0, 'train'), key)
@@ -378,6 +397,56 @@ def cmd_renames(args) -> int:
   return 0
 
 
+def cmd_convert_any(args) -> int:
+  """`parity convert`: with `--pair`, a declared pair's own checkpoints (parity/store/pair_convert.py);
+  without it, the reference layouts (parity/store/convert.py)."""
+  pair_only = [name for name, given in (('--verify', args.verify), ('--item', args.item),
+                                         ('--format', args.target_format), ('--mesh', args.mesh)) if given]
+  if not args.pair:
+    if pair_only:
+      raise BadInput(f'{", ".join(pair_only)}: only with --pair (a declared pair\'s own checkpoints)')
+    from parity.store import convert
+
+    return convert.cmd_convert(args)
+  return cmd_convert_pair(args)
+
+
+def cmd_convert_pair(args) -> int:
+  """`parity convert --pair FILE.py:NAME SRC DST --to linen|nnx [--verify]`: exit 0 converted, 1
+  verification failed, 2 bad input (nothing written)."""
+  from parity.core.errors import TreeMismatchError
+  from parity.store import pair_convert
+
+  reference_only = [name for name, given in (('--layout', args.layout), ('--rules', args.rules),
+                                              ('--preset', args.preset), ('--scenario', args.scenario),
+                                              ('--overwrite', args.overwrite)) if given]
+  if reference_only:
+    raise BadInput(f'{", ".join(reference_only)}: not with --pair (the pair\'s correspondences give the'
+                   ' layout; DST must not exist)')
+  if args.mesh and not args.verify:
+    raise BadInput('--mesh: only with --verify (the conversion itself runs no step)')
+  pair = _load_pair(args.pair)
+  mesh = _mesh(args.mesh, pair)
+  try:
+    return pair_convert.command_convert(args, pair, mesh)
+  except (pair_convert.ConvertError, TreeMismatchError) as e:
+    raise BadInput(str(e)) from None
+  except KeyboardInterrupt:
+    raise BadInput('interrupted; nothing written to DST, SRC untouched') from None
+
+
+def cmd_diff_checkpoints(args) -> int:
+  """`parity diff-checkpoints --pair FILE.py:NAME A B`: exit 0 equal, 1 different, 2 bad input."""
+  from parity.core.errors import TreeMismatchError
+  from parity.store import pair_convert
+
+  pair = _load_pair(args.pair)
+  try:
+    return pair_convert.command_diff(args, pair)
+  except (pair_convert.ConvertError, TreeMismatchError) as e:
+    raise BadInput(str(e)) from None
+
+
 def cmd_scenarios(args) -> int:
   return reference_decoder().scenarios_command(args)
 
@@ -388,12 +457,17 @@ def build_parser() -> argparse.ArgumentParser:
 
   specs = sub.add_parser('specs', help='parameter (or, with --activations, activation-constraint) tables of both sides;'
                              ' exit 1 if they differ')
-  specs.add_argument('--preset', default='default')
-  specs.add_argument('--scenario', default='01_baseline', help='see `parity scenarios`')
-  specs.add_argument('--mesh', default=None, help='e.g. fsdp=8 or data=2,fsdp=2,tensor=2')
+  specs.add_argument('--preset', default=None, help="the reference decoder's size (default: default)")
+  specs.add_argument('--scenario', default=None, help='see `parity scenarios` (default: 01_baseline)')
+  specs.add_argument('--mesh', default=None, help='e.g. fsdp=8 or data=2,fsdp=2,tensor=2 (with --pair,'
+                     " default: the pair's first mesh)")
   specs.add_argument('--format', choices=('table', 'json'), default='table')
   specs.add_argument('--activations', action='store_true',
                      help="the activation constraints' logical names instead of the parameters'")
+  specs.add_argument('--pair', default=None, metavar='FILE.py:NAME',
+                     help="a declared pair's tables (a parity.Pair, e.g."
+                          ' tests/test_family_production.py:production) instead of the reference'
+                          " decoder's; --preset and --scenario do not apply")
   specs.set_defaults(func=cmd_specs)
 
   compare = sub.add_parser(
@@ -458,7 +532,11 @@ def build_parser() -> argparse.ArgumentParser:
   compare.set_defaults(func=cmd_compare)
 
   from parity.store.convert import add_convert_parser
-  add_convert_parser(sub)
+  from parity.store import pair_convert
+  convert_parser = add_convert_parser(sub)
+  pair_convert.add_pair_options(convert_parser)
+  convert_parser.set_defaults(func=cmd_convert_any)
+  pair_convert.add_diff_parser(sub, cmd_diff_checkpoints)
   renames = sub.add_parser('renames', help="a pair's module correspondences (Linen path -> NNX path),"
                            ' inferred, printed as Python to paste and edit; exit 1 if some cannot be paired')
   renames.add_argument('--pair', required=True, metavar='FILE.py:NAME',

@@ -191,7 +191,7 @@ class CompareResult:
     declared = self.declared_program_difference
     if declared is not None:
       d, outside = self.program_diff, self.program_diff_outside
-      if d is not None and not d.identical and declared.admits_program(d, outside):
+      if d is not None and not d.identical and 'program' in declared.passes and declared.admits_program(d, outside):
         return (f'declared: {", ".join(declared.paths)}: {declared.reason}'
                 f' ({d.changed_lines} of at most {declared.max_changed_lines} canonical lines,'
                 f' identical outside those modules)')
@@ -236,8 +236,6 @@ class CompareResult:
     if declared is not None and declared.admits_program(d, outside):
       return (f'differs as declared ({d.changed_lines} of at most {declared.max_changed_lines} canonical'
               f' lines; identical outside {", ".join(declared.paths)})')
-    if d.loop_order:
-      return 'differs (the same computation; a loop carries its values in another order)'
     if outside is not None and not outside.identical:
       return (f'differs ({d.changed_lines} canonical lines; {outside.changed_lines} outside the'
               f' declared modules {", ".join(declared.paths)})')
@@ -260,7 +258,9 @@ class CompareResult:
     if self.decode is not None and not self.decode.same_program:
       return False
     if self.expected_difference is None:
-      return not self.memory_drift and (self.program_diff is None or self.program_diff.identical)
+      memory = not self.memory_drift or declared_memory_admits(
+          self.declared_program_difference, self.linen.memory, self._nnx_memory_compared)
+      return memory and (self.program_diff is None or self.program_diff.identical)
     if self.declared_program_difference is not None:
       return not self.memory_drift or declared_memory_admits(
           self.declared_program_difference, self.linen.memory, self._nnx_memory_compared)
@@ -390,6 +390,17 @@ class CompiledStep:
   # Whether `side.comparison_state` changed the state the comparison traces (an allowed
   # difference of `programs.ALLOWED` applied on this side).
   allowed_applied: bool = False
+  # The comparison lowering itself (None when not asked for): compiled for `compared_memory`.
+  compared_lowered: Any = dataclasses.field(default=None, repr=False)
+
+  def compared_memory(self, device: jax.Device) -> dict[str, Any]:
+    """The memory analysis of the program the comparison lowers (state only NNX keeps taken
+    out of the step: `StockNnx.comparison_state`), compiled on first use."""
+    if self.compared_lowered is None:
+      return self.memory(device)
+    if not hasattr(self, '_compared_memory'):
+      self._compared_memory = memory_of(self.compared_lowered.compile(), device)
+    return self._compared_memory
 
   @property
   def batch_sharding(self) -> Any:
@@ -416,12 +427,13 @@ def compile_step(
   lowered_at = time.perf_counter()
   executable = lowered.compile()
   done = time.perf_counter()
-  compared, names, applied = (
-      comparison_lowering(side, state, batch, dropout_base) if compare_program else (None, None, False)
+  compared, names, applied, compared_lowered = (
+      comparison_lowering(side, state, batch, dropout_base, with_lowered=True) if compare_program
+      else (None, None, False, None)
   )
   return CompiledStep(
       executable, lowered.as_text(), lowered_at - start, done - start, compared, names,
-      allowed_applied=applied,
+      allowed_applied=applied, compared_lowered=compared_lowered,
   )
 
 
@@ -434,7 +446,8 @@ def state_changed(own: Any, compared: Any) -> bool:
              for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(compared)))
 
 
-def comparison_lowering(side: Any, state: Any, batch: Any, dropout_base: Any) -> tuple[str, list[str], bool]:
+def comparison_lowering(side: Any, state: Any, batch: Any, dropout_base: Any,
+                        with_lowered: bool = False) -> tuple:
   """The side's train step as the program comparison reads it, its argument names, and
   whether `side.comparison_state` changed the state (`state_changed`).
 
@@ -453,7 +466,8 @@ def comparison_lowering(side: Any, state: Any, batch: Any, dropout_base: Any) ->
   lower = getattr(side, 'lower_for_comparison', side.lower_train_step)
   lowered = lower(compared_state, batch, dropout_base)
   names = side.argument_names(lowered, compared_state, batch, dropout_base)
-  return lowered.as_text(debug_info=True), names, state_changed(own, compared_state)
+  out = lowered.as_text(debug_info=True), names, state_changed(own, compared_state)
+  return out + (lowered,) if with_lowered else out
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
@@ -512,10 +526,23 @@ def _output_entry_bytes(compiled, output_bytes: int) -> int:
   return extra // len(leaves) if leaves and extra >= 0 and extra % len(leaves) == 0 else 0
 
 
-def without_nnx_only(account, linen_mem, nnx_mem, linen_compiled):
-  """NNX's memory analysis less exactly the `nnx_only` state's bytes (arguments; outputs with
-  their entries in the output table, as measured on Linen's step), and the accounting line."""
+def without_nnx_only(account, linen_mem, nnx_mem, linen_compiled, nnx_compiled=None, device=None):
+  """NNX's memory analysis without the `nnx_only` state, and the accounting line.
+
+  With NNX's comparison lowering at hand (`nnx_compiled.compared_lowered`), the memory of that
+  program: the step with the state taken out as the program part takes it out (its values
+  constants, unreturned), so that what a loop carries of it (a layer's RNG streams, drawn from
+  and handed back) goes too. Otherwise NNX's analysis less exactly the state's bytes
+  (arguments; outputs with their entries in the output table, as measured on Linen's step).
+  """
   n, data = len(account['paths']), account['bytes']
+  if nnx_compiled is not None and nnx_compiled.compared_lowered is not None:
+    adjusted = nnx_compiled.compared_memory(device)
+    full = ', '.join(memory_drift(adjusted, nnx_mem)) or 'no byte'
+    line = (f'state only NNX keeps ({n} leaves, {data:,} B: {", ".join(account["paths"])}): NNX\'s step'
+            f' compared without it, as the program part compares it (it adds {full} to the step'
+            ' that carries it)')
+    return adjusted, [line]
   entry = _output_entry_bytes(linen_compiled, linen_mem['output_bytes'])
   adjusted = dict(nnx_mem)
   adjusted['argument_bytes'] -= data
@@ -745,7 +772,7 @@ def compare_sides(
   account = getattr(sides['nnx'], 'nnx_only_accounting', None)
   if compare_memory and account is not None and account()['paths'] and runs['nnx'].memory:
     nnx_only_memory, (nnx_only_line,) = without_nnx_only(
-        account(), runs['linen'].memory, runs['nnx'].memory, compiled['linen'])
+        account(), runs['linen'].memory, runs['nnx'].memory, compiled['linen'], compiled['nnx'], device)
   diff = program_diff_of(compiled['linen'], compiled['nnx']) if program_diff else None
   outside = None
   if diff is not None and not diff.identical and declared_program_difference is not None:
