@@ -139,7 +139,7 @@ class Probe:
   """
 
   order: list[str]
-  inputs: Flat  # each call's first argument (float arrays only)
+  inputs: Flat  # each call's array arguments, by argument name
   outputs: Flat
   cotangents: Flat
   param_grads: Flat  # checkpoint path of a parameter -> gradient
