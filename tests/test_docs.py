@@ -162,8 +162,7 @@ def _block(path: pathlib.Path, start: str, end: str) -> str:
 
 
 def test_the_first_pair_page_shows_the_tutorials_pair_and_the_language_models_glue_as_they_are():
-  """docs/first-pair.md copies tests/test_first_pair.py's pair (the page's first-pair block, whole)
-  and tests/test_family_lm_model_level.py's glue: both must be the files', verbatim."""
+  """docs/first-pair.md copies tests/test_first_pair.py's pair and the model-level glue, verbatim."""
   page = (REPO / 'docs' / 'first-pair.md').read_text()
   pair = _block(REPO / 'tests' / 'test_first_pair.py', '# --- first pair ---', '# --- end of first pair ---')
   shown = page.split('<!-- first-pair -->', 1)[1].split('```python\n', 1)[1].split('```', 1)[0].strip()

@@ -27,11 +27,6 @@ from parity.core import compat
 from parity.pairs import adapter
 
 
-# Module methods that make a decode's cache: NNX's stock `init_cache` (flax's convention), run
-# unrecorded as a Linen `init` is (parity.compare.localize._on_call).
-CACHE_MAKERS = ('init_cache',)
-
-
 class _PerModelCall:
   """Hands each model call (an outermost module call) a recorder of its own; records eagerly."""
 
@@ -41,8 +36,6 @@ class _PerModelCall:
     self.depth = 0
 
   def call(self, path: str, args: tuple, run: Callable[[], Any]) -> Any:
-    if False:  # BROKEN ON PURPOSE
-      return run()  # the cache's making, not a model call (as Linen's `init`, which is not recorded)
     if self.depth == 0:
       self.recorders.append(localize.Recorder(None, self.call_key))
     self.depth += 1

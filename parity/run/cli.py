@@ -425,11 +425,13 @@ def cmd_convert_pair(args) -> int:
                    ' layout; DST must not exist)')
   if args.mesh and not args.verify:
     raise BadInput('--mesh: only with --verify (the conversion itself runs no step)')
+  from parity.pairs import adapter
+
   pair = _load_pair(args.pair)
   mesh = _mesh(args.mesh, pair)
   try:
     return pair_convert.command_convert(args, pair, mesh)
-  except (pair_convert.ConvertError, TreeMismatchError) as e:
+  except (pair_convert.ConvertError, TreeMismatchError, adapter.BatchError, adapter.SideError) as e:
     raise BadInput(str(e)) from None
   except KeyboardInterrupt:
     raise BadInput('interrupted; nothing written to DST, SRC untouched') from None
@@ -440,10 +442,12 @@ def cmd_diff_checkpoints(args) -> int:
   from parity.core.errors import TreeMismatchError
   from parity.store import pair_convert
 
+  from parity.pairs import adapter
+
   pair = _load_pair(args.pair)
   try:
     return pair_convert.command_diff(args, pair)
-  except (pair_convert.ConvertError, TreeMismatchError) as e:
+  except (pair_convert.ConvertError, TreeMismatchError, adapter.BatchError, adapter.SideError) as e:
     raise BadInput(str(e)) from None
 
 

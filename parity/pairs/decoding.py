@@ -1,0 +1,239 @@
+"""Decoding with a KV cache: the token loop, and decode functions for flax's cache convention.
+
+The decode part (parity/battery/checks.py `check_decode`) asks each side for
+`steps` tokens after a prompt, the logits each was drawn from and the final
+cache (`Side.decode`; StockLinen/StockNnx `decode_fn(state or model, prompt,
+steps, key, temperature) -> (tokens, logits, {cache path: array})`). What
+draws the tokens is stateless and the same on both sides (`sample`,
+`draw_tokens`), so sampled tokens can be equal; what feeds them is each
+side's own model.
+
+`linen_decoder` and `nnx_decoder` write such a `decode_fn`:
+
+* flax's cache convention (the default): Linen's model cloned with
+  `decode=True`, its `cache` collection made by an `init` at the full length
+  and carried through `apply(..., mutable=['cache'])`; NNX's model copied,
+  each stock `nnx.MultiHeadAttention` given `init_cache` and the copy
+  `set_attributes(decode=True)`, its `nnx.Cache` variables written in place.
+  The stock caches take one token a call, so the prompt is fed one position
+  a call too (no causal mask: the stock attention masks the slots past its
+  cache index itself).
+* any other cache: one call `(tokens, cache) -> (logits, cache)` per side,
+  which the same loop drives, the whole prompt in its first call (with
+  `cache=None`), then one token a call. The call runs as given: jit it (or
+  its model steps) yourself, alike on both sides.
+
+The NNX decoders decode on a copy of the model: the trained model never
+holds `nnx.Cache` variables.
+
+The loop (`decode_loop`, around one call `(tokens int32[B, L], cache) ->
+(logits [B, L, V], cache)`): the prompt goes first, whole (the call gets
+`cache=None` and makes its cache) or one position a call (`one_token`, as
+flax's stock caches take it); token 0 is drawn from the last position of its
+logits, token i from the logits of feeding token i - 1 (`draw_tokens`), so
+the last token is drawn, not fed: a cache of `P + steps` slots ends with its
+last slot empty. `temperature` is a Python float, static (each value
+compiles its own sampler): 0.0 takes the argmax, any other draws from
+softmax(logits / temperature) with `jax.random.fold_in(key, step)`.
+
+`linen_decoder(model=None, inputs=, kwargs=, call=, collections=)`: `model`
+(None: the state's `apply_fn`'s module) is applied as `apply(variables,
+*inputs(tokens), **kwargs, mutable=['cache'])`, `inputs(tokens)` its
+positional arguments (default: the tokens alone; a tuple for several),
+`kwargs` its eval mode (`{'train': False}`), `variables` the state's
+`params` and its `collections` fields; `call(variables, tokens, cache)`
+replaces flax's cache. `nnx_decoder(inputs=, kwargs=, call=)`: the model
+called as `model(*inputs(tokens), **kwargs)`; `call(model, tokens, cache)`
+on the copy. The cache comes back as `{'<module path>/<variable>': array}`
+(the stock NNX side renames its module paths to Linen's).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.core import meta
+
+from parity.core import paths
+
+
+def sampling_key(key: jax.Array, step) -> jax.Array:
+  """The sampling key of decoding step `step` (from 0)."""
+  return jax.random.fold_in(key, step)
+
+
+@functools.partial(jax.jit, static_argnames='temperature')
+def sample(logits_BLV, key, step, temperature: float):
+  """(int32[B] token, float32[B, V] its logits) of the last position: argmax at temperature 0, else drawn."""
+  logits_BV = logits_BLV[:, -1].astype(jnp.float32)
+  if temperature == 0.0:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), logits_BV
+  token_B = jax.random.categorical(sampling_key(key, step), logits_BV / temperature, axis=-1)
+  return token_B.astype(jnp.int32), logits_BV
+
+
+def draw_tokens(logits_BLV, feed: Callable[[jax.Array], jax.Array], steps: int, key, temperature: float):
+  """(int32[B, steps] tokens, float32[B, steps, V] their logits): token i drawn after feeding token i - 1."""
+  tokens, drawn_from = [], []
+  for step in range(steps):
+    if step:
+      logits_BLV = jax.block_until_ready(feed(tokens[-1][:, None]))
+    # One program at a time: on a mesh of CPU devices, two programs with collectives in flight
+    # can each hold some devices' threads waiting for the others (XLA aborts after 40 s).
+    token_B, logits_BV = jax.block_until_ready(sample(logits_BLV, key, step, temperature))
+    tokens.append(token_B)
+    drawn_from.append(logits_BV)
+  if not steps:
+    rows, vocab = logits_BLV.shape[0], logits_BLV.shape[-1]
+    return jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0, vocab), jnp.float32)
+  return jnp.stack(tokens, axis=1), jnp.stack(drawn_from, axis=1)
+
+
+def decode_loop(call: Callable[[jax.Array, Any], tuple[jax.Array, Any]], prompt, steps: int, key,
+                temperature: float, cache: Any = None, one_token: bool = False):
+  """(tokens, their logits, the final cache) of `call(tokens, cache) -> (logits, cache)`, prompt first."""
+  prompt = jnp.asarray(prompt, jnp.int32)
+  state = {'cache': cache}
+
+  def feed(tokens_BL):
+    logits, state['cache'] = call(tokens_BL, state['cache'])
+    return jax.block_until_ready(logits)
+
+  if one_token:
+    for i in range(prompt.shape[1]):
+      logits = feed(prompt[:, i:i + 1])
+  else:
+    logits = feed(prompt)
+  tokens, drawn_from = draw_tokens(logits, feed, steps, key, temperature)
+  return tokens, drawn_from, state['cache']
+
+
+def _tokens_only(tokens):
+  """The model's inputs when decoding: the tokens, its one positional argument."""
+  return (tokens,)
+
+
+def as_args(inputs: Any) -> tuple:
+  """What an `inputs` function returns, as positional arguments: a tuple as it is, else one."""
+  return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LinenDecoder:
+  """A StockLinen `decode_fn(state, prompt, steps, key, temperature)` (`linen_decoder`)."""
+
+  model: nn.Module | None = None
+  inputs: Callable[[jax.Array], Any] = _tokens_only
+  kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  call: Callable[..., Any] | None = None
+  collections: tuple[str, ...] = ()
+
+  def variables(self, state) -> dict[str, Any]:
+    """The state's variables as `apply` takes them: the parameters unboxed, the extra collections."""
+    return {'params': meta.unbox(state.params), **{c: getattr(state, c) for c in self.collections}}
+
+  def decoding_model(self, state) -> nn.Module:
+    """The model (given, or the state's `apply_fn`'s: flax's TrainState idiom) with `decode=True`."""
+    model = self.model if self.model is not None else getattr(state.apply_fn, '__self__', None)
+    if not isinstance(model, nn.Module):
+      raise TypeError(f'linen_decoder: no model given, and the state\'s apply_fn is not a Linen module\'s'
+                      f' apply: {state.apply_fn!r}')
+    return model.clone(decode=True)
+
+  @functools.cached_property
+  def _init_cache(self):
+    @functools.partial(jax.jit, static_argnums=(0, 1, 2))
+    def init_cache(model, batch: int, max_len: int):
+      """The empty 'cache' collection, flax's way: `init` at the full length (jit prunes the parameters)."""
+      tokens = jnp.zeros((batch, max_len), jnp.int32)
+      return model.init(jax.random.PRNGKey(0), *as_args(self.inputs(tokens)), **self.kwargs)['cache']
+
+    return init_cache
+
+  @functools.cached_property
+  def _step(self):
+    @functools.partial(jax.jit, static_argnums=0)
+    def step(model, variables, cache, tokens):
+      """(logits, the cache after) of one token a row, written at the cache index."""
+      logits, mutated = model.apply({**variables, 'cache': cache}, *as_args(self.inputs(tokens)),
+                                    **self.kwargs, mutable=['cache'])
+      return logits, mutated['cache']
+
+    return step
+
+  def __call__(self, state, prompt, steps: int, key, temperature: float):
+    variables = self.variables(state)
+    prompt = jnp.asarray(prompt, jnp.int32)
+    if self.call is not None:
+      tokens, logits, cache = decode_loop(lambda t, c: self.call(variables, t, c), prompt, steps, key,
+                                          temperature)
+      return tokens, logits, paths.flatten(cache)
+    model = self.decoding_model(state)
+    batch, prompt_len = prompt.shape
+    cache = self._init_cache(model, batch, prompt_len + steps)
+    tokens, logits, cache = decode_loop(lambda t, c: self._step(model, variables, c, t), prompt, steps, key,
+                                        temperature, cache=cache, one_token=True)
+    return tokens, logits, paths.flatten(cache)
+
+
+def init_stock_caches(model: nnx.Module, batch: int, max_len: int) -> None:
+  """An empty cache in each stock `nnx.MultiHeadAttention` of `model`, of its `dtype` (else `param_dtype`)."""
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.MultiHeadAttention):
+      node.init_cache((batch, max_len, node.in_features), node.dtype or node.param_dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NnxDecoder:
+  """A StockNnx `decode_fn(model, prompt, steps, key, temperature)` (`nnx_decoder`)."""
+
+  inputs: Callable[[jax.Array], Any] = _tokens_only
+  kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  call: Callable[..., Any] | None = None
+
+  @functools.cached_property
+  def _step(self):
+    @nnx.jit
+    def step(model, tokens):
+      """Logits of one token a row, written in the model's cache at its index (in place)."""
+      return model(*as_args(self.inputs(tokens)), **self.kwargs)
+
+    return step
+
+  def decoding_model(self, model: nnx.Module, batch: int, max_len: int) -> nnx.Module:
+    """A copy of `model` (left as it is) decoding with empty stock caches."""
+    model = nnx.clone(model)
+    init_stock_caches(model, batch, max_len)
+    model.set_attributes(decode=True)
+    return model
+
+  def __call__(self, model, prompt, steps: int, key, temperature: float):
+    prompt = jnp.asarray(prompt, jnp.int32)
+    if self.call is not None:
+      model = nnx.clone(model)  # whatever the call keeps in it stays in the copy
+      tokens, logits, cache = decode_loop(lambda t, c: self.call(model, t, c), prompt, steps, key,
+                                          temperature)
+      return tokens, logits, paths.flatten(cache)
+    batch, prompt_len = prompt.shape
+    model = self.decoding_model(model, batch, prompt_len + steps)
+    tokens, logits, _ = decode_loop(lambda t, c: (self._step(model, t), None), prompt, steps, key,
+                                    temperature, one_token=True)
+    return tokens, logits, paths.flatten(nnx.state(model, nnx.Cache))
+
+
+def linen_decoder(model: nn.Module | None = None, *, inputs: Callable[[jax.Array], Any] | None = None,
+                  kwargs: Mapping[str, Any] | None = None, call: Callable[..., Any] | None = None,
+                  collections: tuple[str, ...] = ()) -> LinenDecoder:
+  """A StockLinen `decode_fn(state, prompt, steps, key, temperature) -> (tokens, logits, cache)`."""
+  return LinenDecoder(model, inputs or _tokens_only, dict(kwargs or {}), call, tuple(collections))
+
+
+def nnx_decoder(*, inputs: Callable[[jax.Array], Any] | None = None, kwargs: Mapping[str, Any] | None = None,
+                call: Callable[..., Any] | None = None) -> NnxDecoder:
+  """A StockNnx `decode_fn(model, prompt, steps, key, temperature) -> (tokens, logits, cache)`."""
+  return NnxDecoder(inputs or _tokens_only, dict(kwargs or {}), call)
