@@ -1,4 +1,5 @@
-"""Small pairs with one planted difference each, for the specs command and the localize part.
+"""Small pairs with one planted difference each, for the specs command, the localize part and
+the checks proven to fail (tests/test_checks_fail.py, the planted MLP at the end).
 
 A two-layer MLP: Linen `Block_0` (a Dense, an activation constraint, relu computed
 inline) and a head; NNX `block` (`linear`, the same constraint, relu as a module of
@@ -146,8 +147,8 @@ leaky_act = pair('leaky_act', slope=0.5)
 # decodes: the cache is the counts of the tokens fed), dropout after its first layer:
 # Linen Dense_0 (no bias), Dropout_0, Dense_1, Dense_2 (LayerNorm_0), Dense_3; NNX `inp`,
 # `dropout`, `hidden1`, `hidden2` (`norm`), `out`. `planted(name, **bugs)` makes a pair
-# whose NNX side carries the bugs named (PlantedNnx's keywords, and `fixed_key`, `decode`,
-# `nnx_only`, `dropout_keys`, `renames`, `infer_renames`); sides are made once per set of
+# whose NNX side carries the bugs named (PlantedNnx's keywords, and SIDE_OPTIONS: `fixed_key`,
+# `decode`, `eval_rmse`, StockNnx's own); sides are made once per set of
 # options and shared between pairs, so a program compiles once per process.
 
 VOCAB, WIDTH, RATE = 8, 8, 0.5
@@ -265,7 +266,7 @@ def _planted_linen_code(stream, norm):
 
 
 @functools.cache
-def _planted_nnx_code(model_options, fixed_key, decode_bug):
+def _planted_nnx_code(model_options, fixed_key, decode_bug, eval_rmse):
   """(create, train, eval, loss, forward, decode) of the NNX side, with its bugs."""
   options = dict(model_options)
 
@@ -288,7 +289,8 @@ def _planted_nnx_code(model_options, fixed_key, decode_bug):
 
   @nnx.jit
   def evaluate(model, batch):
-    return {'loss': jnp.mean((forward(model, batch) - batch['y']) ** 2)}
+    mse = jnp.mean((forward(model, batch) - batch['y']) ** 2)
+    return {'loss': jnp.sqrt(mse) if eval_rmse else mse}  # eval_rmse, the bug: the metric is another
 
   def decode(model, prompt, steps, key, temperature):
     if decode_bug == 'logits':  # logits doubled: the same argmax, so the same greedy tokens and cache
@@ -315,13 +317,14 @@ def _planted_linen_side(stream, norm, mesh):
 @functools.cache
 def _planted_nnx_side(model_options, side_options, mesh):
   side_options = dict(side_options)
-  code = _planted_nnx_code(model_options, side_options.pop('fixed_key', False), side_options.pop('decode', None))
+  code = _planted_nnx_code(model_options, side_options.pop('fixed_key', False), side_options.pop('decode', None),
+                           side_options.pop('eval_rmse', False))
   create, train, evaluate, loss, forward, decode = code
   return parity.StockNnx(create, train, evaluate, loss, mesh=mesh, forward=forward, decode_fn=decode,
                          **side_options)
 
 
-SIDE_OPTIONS = ('fixed_key', 'decode', 'nnx_only', 'dropout_keys', 'renames', 'infer_renames')
+SIDE_OPTIONS = ('fixed_key', 'decode', 'eval_rmse', 'nnx_only', 'dropout_keys', 'renames', 'infer_renames')
 
 
 def _planted_sides(model_options, side_options, mesh):
