@@ -713,11 +713,13 @@ def test_an_rng_stream_kept_in_the_nnx_model_is_carried_outside_the_comparison()
   # The stream's bytes: its key data (2 uint32 for jax's default threefry keys) and its count.
   stream_bytes = sum(np.asarray(jax.random.key_data(x) if '/key' in p else x).nbytes
                      for p, x in paths.flatten(state).items() if p in stream)
-  # Declared state only NNX keeps is accounted, not a difference: memory equal once exactly its
-  # bytes are taken off NNX's arguments and outputs; the program compared without it (unused
-  # here: the step's key is passed at the call); its placement on the mesh checked apart.
+  # Declared state only NNX keeps is accounted, not a difference: memory equal with NNX's step
+  # compiled without it, as the program is compared (unused here: the step's key is passed at the
+  # call), the line saying what it adds to the step that carries it; its placement on the mesh
+  # checked apart.
   (line,) = battery.check_memory(pair)
   assert line.startswith(f'state only NNX keeps (2 leaves, {stream_bytes} B: 0/dropout/rngs/count,'
-                         f' 0/dropout/rngs/key): NNX arguments less {stream_bytes} B, outputs less'), line
+                         f" 0/dropout/rngs/key): NNX's step compared without it, as the program part"
+                         f' compares it (it adds argument_bytes +{stream_bytes} B'), line
   battery.check_program(pair)
   battery.check_mesh(pair, 'data=8')

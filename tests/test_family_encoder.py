@@ -212,8 +212,9 @@ def test_numbers_that_differ_on_a_mesh_name_the_sharding_annotations_that_differ
     battery.check_mesh(pair, MESH)
   message = str(e.value)
   assert f'encoder_nnx_mlp_constrained_otherwise: {encoder.steps} train steps on mesh {MESH} are not bit-identical' in message
-  assert ('the sharding annotations of the train steps differ too (a likely cause: an activation'
-          ' constraint or a placement that differs') in message, message
+  assert f'localizer on {MESH}:' in message, message
+  assert 'places its intermediates otherwise' in message, message
+  assert 'the sharding annotations of the train steps differ too' in message, message
 
 
 @pytest.mark.xdist_group('parity-encoder')
