@@ -208,25 +208,6 @@ def eager_sharding_off() -> Iterator[None]:
     yield
 
 
-@contextlib.contextmanager
-def to_linen_module_hook(hook: Callable[[Any, Callable], Callable]) -> Iterator[None]:
-  """While active, the NNX module an `nnx.bridge.ToLinen` builds at each call is called through
-  `hook(module, method) -> method` (flax 0.12 gets that method from one private function of
-  its bridge, `wrappers._get_module_method`, in `ToLinen.__call__`'s init and apply paths)."""
-  from flax.nnx.bridge import wrappers
-
-  original = wrappers._get_module_method
-
-  def hooked(module, nnx_method):
-    return hook(module, original(module, nnx_method))
-
-  wrappers._get_module_method = hooked
-  try:
-    yield
-  finally:
-    wrappers._get_module_method = original
-
-
 # flax's lifted scan (`nn.scan`, and `nn.RNN` over it) traces its body once more,
 # outside the scan, to check that broadcast values are loop invariants
 # (flax/core/axes_scan.py, `check_constancy_invariants`): through partial_eval's
