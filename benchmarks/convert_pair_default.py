@@ -13,17 +13,23 @@
 2. Converts it to the NNX side's `nnx.state((model, optimizer))` layout in a
    child process, through the command as a user runs it:
    `parity convert --pair benchmarks/convert_pair_default.py:decoder_default
-   SRC DST --to nnx` (the pair below). Reports the conversion's wall time and
-   the child's peak resident memory above its resident memory just before
-   the command (jax and the kit imported).
-3. Copies SCRATCH_DIR/src with `cp -r` and `sync` (the converter fsyncs its
-   output too): the time a conversion is compared with.
+   SRC DST --to nnx` (the pair below). Reports the command's wall time and
+   the child's peak resident memory (VmHWM: the whole process, interpreter,
+   jax and the kit included), absolute and above its resident memory just
+   before the command (jax and the kit imported), against a quarter of the
+   checkpoint's size.
+3. Compares SRC with the conversion in another child, through the pair:
+   `parity diff-checkpoints --pair ... SRC DST` (exit 0: equal), measured
+   the same way (`--no-diff`: skipped).
+4. Copies SCRATCH_DIR/src with `cp -r` and `sync` (the converter fsyncs its
+   output too), before the conversion: the time a conversion is compared with.
 
 Needs about 3x the checkpoint size free on the scratch disk (40 GB for 16
-layers); `--layers` shrinks the model for a quick trial. Goals, as for
-`parity convert` (benchmarks/convert_default.py): convert time at most 2x the
-copy time; peak memory growth at most 2 GiB (about one largest array, never
-the model).
+layers); `--layers` shrinks the model for a quick trial. Goals: peak resident
+memory of the converting process under a quarter of the checkpoint's size
+(the issue's bound; exit 1 otherwise), and, as for `parity convert`
+(benchmarks/convert_default.py), convert time at most 2x the copy time and
+peak memory growth at most 2 GiB (about one largest array, never the model).
 """
 from __future__ import annotations
 
@@ -77,24 +83,46 @@ def _batch(step, split='train'):
 decoder_default = parity.Pair('decoder_default', _sides, _batch)
 
 _CHILD = textwrap.dedent("""
-    import json, resource, sys, time
+    import json, sys, time
     sys.path.insert(0, {repo!r})
     import jax  # noqa: F401  (imported before the idle measure, as the command imports it)
     from parity.run import cli
     from parity.store import pair_convert  # noqa: F401
 
-    def rss_kib():
+    def status_kib(field):
       with open('/proc/self/status') as f:
-        return next(int(line.split()[1]) for line in f if line.startswith('VmRSS:'))
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ':'))
 
-    src, dst, spec = sys.argv[1:4]
-    idle = rss_kib()
+    argv = json.loads(sys.argv[1])
+    idle = status_kib('VmRSS')
     start = time.perf_counter()
-    code = cli.main(['convert', '--pair', spec, src, dst, '--to', 'nnx'])
+    code = cli.main(argv)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({{'code': code, 'seconds': seconds, 'idle_kib': idle, 'peak_kib': peak}}))
+    # VmHWM: this process's own peak (ru_maxrss can carry the parent's peak over a vfork and exec).
+    print(json.dumps({{'code': code, 'seconds': seconds, 'idle_kib': idle, 'peak_kib': status_kib('VmHWM')}}))
 """)
+
+
+def _measured(argv: list[str]) -> dict | None:
+  """`cli.main(argv)` in a child process: its exit code, wall seconds, idle and peak resident KiB."""
+  start = time.perf_counter()
+  child = subprocess.run([sys.executable, '-c', _CHILD.format(repo=REPO), json.dumps(argv)],
+                         capture_output=True, text=True, env=dict(os.environ))
+  lines = child.stdout.strip().splitlines()
+  if child.returncode != 0 or not lines:
+    print(child.stdout[-3000:], child.stderr[-3000:], sep='\n')
+    return None
+  result = json.loads(lines[-1])
+  result.update(output=lines[:-1], process_seconds=time.perf_counter() - start)
+  return result
+
+
+def _memory(result: dict, bound: float) -> str:
+  """Peak resident memory, absolute and above idle, against `bound` bytes."""
+  peak, idle = result['peak_kib'] * 1024, result['idle_kib'] * 1024
+  verdict = 'under' if peak < bound else 'NOT under'
+  return (f'peak RSS {peak / 2**30:.2f} GiB ({peak / 1e9:.2f} GB), {verdict} a quarter of the checkpoint'
+          f' ({bound / 1e9:.2f} GB); {(peak - idle) / 2**30:.2f} GiB above idle ({idle / 2**30:.2f} GiB)')
 
 
 def _values(path: str, shape, dtype, gen: np.random.Generator) -> np.ndarray:
@@ -151,6 +179,7 @@ def main(argv=None) -> int:
   parser.add_argument('--zarr3', action='store_true', help='write the source as zarr3 (default: zarr, as'
                       " Orbax's StandardCheckpointer writes here)")
   parser.add_argument('--keep', action='store_true', help='keep the checkpoints')
+  parser.add_argument('--no-diff', action='store_true', help='skip diff-checkpoints of SRC and the conversion')
   args = parser.parse_args(argv)
   if args.layers:
     os.environ[LAYERS_ENV] = str(args.layers)
@@ -171,8 +200,11 @@ def main(argv=None) -> int:
   start = time.perf_counter()
   array_bytes = write_source(src, args.zarr3)
   os.sync()
-  print(f'  {array_bytes / 1e9:.2f} GB of arrays, {_du(src) / 1e9:.2f} GB on disk,'
+  disk_bytes = _du(src)
+  print(f'  {array_bytes / 1e9:.2f} GB of arrays, {disk_bytes / 1e9:.2f} GB on disk,'
         f' written in {time.perf_counter() - start:.1f} s')
+  # The issue's bound: a quarter of the checkpoint's size (the smaller of its arrays and its files).
+  bound = min(array_bytes, disk_bytes) / 4
 
   print('plain copy (cp -r, sync) ...', flush=True)
   start = time.perf_counter()
@@ -184,27 +216,36 @@ def main(argv=None) -> int:
 
   spec = os.path.abspath(__file__) + ':decoder_default'
   print(f'converting to the NNX layout: parity convert --pair {spec} ...', flush=True)
-  child = subprocess.run(
-      [sys.executable, '-c', _CHILD.format(repo=REPO), src, dst, spec],
-      capture_output=True, text=True, env=dict(os.environ),
-  )
-  if child.returncode != 0 or not child.stdout.strip():
-    print(child.stdout[-3000:], child.stderr[-3000:], sep='\n')
+  converted = _measured(['convert', '--pair', spec, src, dst, '--to', 'nnx'])
+  if converted is None:
     return 1
-  result = json.loads(child.stdout.strip().splitlines()[-1])
-  growth_gib = (result['peak_kib'] - result['idle_kib']) / 2**20
-  print(child.stdout.strip().splitlines()[0])
+  print('\n'.join(converted['output']))
+  diffed = None
+  if not args.no_diff and converted['code'] == 0:
+    os.sync()
+    print(f'comparing SRC with the conversion: parity diff-checkpoints --pair {spec} ...', flush=True)
+    diffed = _measured(['diff-checkpoints', '--pair', spec, src, dst])
+    if diffed is None:
+      return 1
+    print('\n'.join(diffed['output'][-3:]))
   print()
-  print(f'checkpoint:        {array_bytes / 1e9:.2f} GB of arrays ({_du(src) / 1e9:.2f} GB on disk), exit {result["code"]}')
-  print(f'convert --pair:    {result["seconds"]:.1f} s wall')
-  print(f'peak RSS growth:   {growth_gib:.2f} GiB (idle {result["idle_kib"] / 2**20:.2f} GiB,'
-        f' peak {result["peak_kib"] / 2**20:.2f} GiB)')
+  print(f'checkpoint:        {array_bytes / 1e9:.2f} GB of arrays ({disk_bytes / 1e9:.2f} GB on disk);'
+        f' a quarter: {bound / 1e9:.2f} GB')
+  print(f'convert --pair:    exit {converted["code"]}, {converted["seconds"]:.1f} s wall'
+        f' ({converted["process_seconds"]:.1f} s with the process\'s start and imports)')
+  print(f'  memory:          {_memory(converted, bound)}')
+  if diffed is not None:
+    print(f'diff-checkpoints:  exit {diffed["code"]}, {diffed["seconds"]:.1f} s wall'
+          f' ({diffed["process_seconds"]:.1f} s with the process\'s start and imports)')
+    print(f'  memory:          {_memory(diffed, bound)}')
   print(f'plain copy:        {copy_seconds:.1f} s (cp -r + sync)')
-  print(f'convert / copy:    {result["seconds"] / copy_seconds:.2f}  (goal <= 2)')
+  print(f'convert / copy:    {converted["seconds"] / copy_seconds:.2f}  (goal <= 2)')
   if not args.keep:
     shutil.rmtree(src)
     shutil.rmtree(dst, ignore_errors=True)
-  return 0 if result['code'] == 0 else 1
+  ok = converted['code'] == 0 and converted['peak_kib'] * 1024 < bound
+  ok = ok and (diffed is None or (diffed['code'] == 0 and diffed['peak_kib'] * 1024 < bound))
+  return 0 if ok else 1
 
 
 if __name__ == '__main__':

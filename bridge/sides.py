@@ -44,6 +44,11 @@ from parity.compare import localize
 from parity.compare import programs
 
 
+# The reference decoder's logical axis rules: the kit's (parameters, activations) and its
+# decoding cache's (bridge/decode.py), so that both sides place the cache alike on a mesh.
+RULES: specs_lib.Rules = specs_lib.DEFAULT_RULES + bridge_decode.CACHE_RULES
+
+
 def as_jax_batch(batch: dict[str, Any]) -> dict[str, jax.Array]:
   return {k: jnp.asarray(v) for k, v in batch.items()}
 
@@ -70,6 +75,22 @@ class _Placement:
       yield
       return
     with compat.use_mesh(self.mesh), nn.logical_axis_rules(list(self.rules)):
+      yield
+
+  @contextlib.contextmanager
+  def decode_context(self) -> Iterator[None]:
+    """`context()` for decoding: on a mesh the rules must map every cache axis (`RULES`).
+
+    A logical name without a rule is replicated by Linen (`nn.unbox`) but read as a mesh axis
+    by NNX (`nnx.eval_shape` of the cache), which fails: neither side decodes so.
+    """
+    if self.mesh is not None:
+      ruled = {name for name, _ in self.rules}
+      missing = [name for name, _ in bridge_decode.CACHE_RULES if name not in ruled]
+      if missing:
+        raise ValueError(f'{self.name} side: its rules map no mesh axes for the cache axes {missing};'
+                         ' decode with bridge.sides.RULES (or add bridge.decode.CACHE_RULES)')
+    with self.context():
       yield
 
   def _shardings(self, logical_specs: Any) -> Any:
@@ -166,7 +187,7 @@ class LinenSide(_Placement):
   model_cfg: ModelConfig
   train_cfg: TrainConfig
   mesh: jax.sharding.Mesh | None = None
-  rules: specs_lib.Rules = specs_lib.DEFAULT_RULES
+  rules: specs_lib.Rules = RULES
   name: str = 'linen'
 
   def _make_state(self, seed: int) -> linen_train.TrainState:
@@ -272,19 +293,19 @@ class LinenSide(_Placement):
 
   def decode(self, state, prompt, steps, key, temperature) -> dict[str, Any]:
     """Decoding with the KV cache (models/linen/decode.py), the cache in the common layout."""
-    with self.context():
+    with self.decode_context():
       tokens, logits, cache = linen_decode.decode(
           self.model_cfg, linen_train.model_variables(state), prompt, steps, key, temperature)
     return {'tokens': tokens, 'logits': logits, 'cache': bridge_decode.linen_cache(cache)}
 
   def lower_decode_step(self, state, batch: int, max_len: int) -> jax.stages.Lowered:
     """One decoding step's program (models/linen/decode.py `lower_step`)."""
-    with self.context():
+    with self.decode_context():
       return linen_decode.lower_step(self.model_cfg, linen_train.model_variables(state), batch, max_len)
 
   def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe]:
     """`decode`'s module calls, run eagerly (the decode localizer)."""
-    with self.context():
+    with self.decode_context():
       return decode_localize.linen_decode_calls(lambda: linen_decode.decode(
           self.model_cfg, linen_train.model_variables(state), prompt, steps, key, temperature))
 
@@ -304,7 +325,7 @@ class NnxSide(_Placement):
   model_cfg: ModelConfig
   train_cfg: TrainConfig
   mesh: jax.sharding.Mesh | None = None
-  rules: specs_lib.Rules = specs_lib.DEFAULT_RULES
+  rules: specs_lib.Rules = RULES
   name: str = 'nnx'
 
   @property
@@ -404,19 +425,19 @@ class NnxSide(_Placement):
 
   def decode(self, state, prompt, steps, key, temperature) -> dict[str, Any]:
     """Decoding with the KV cache (models/nnx/decode.py), the cache in the common layout."""
-    with self.context():
+    with self.decode_context():
       model = nnx.merge(self.graphdef, state)[0]
       tokens, logits, cache = nnx_decode.decode(self.model_cfg, model, prompt, steps, key, temperature)
     return {'tokens': tokens, 'logits': logits, 'cache': bridge_decode.nnx_cache(cache)}
 
   def lower_decode_step(self, state, batch: int, max_len: int) -> jax.stages.Lowered:
     """One decoding step's program (models/nnx/decode.py `lower_step`)."""
-    with self.context():
+    with self.decode_context():
       return nnx_decode.lower_step(nnx.merge(self.graphdef, state)[0], batch, max_len)
 
   def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe]:
     """`decode`'s module calls, run eagerly and named as Linen's (the decode localizer)."""
-    with self.context():
+    with self.decode_context():
       return decode_localize.nnx_decode_calls(
           nnx.merge(self.graphdef, state)[0],
           lambda model: nnx_decode.decode(self.model_cfg, model, prompt, steps, key, temperature),
@@ -463,7 +484,7 @@ def make_sides(
     model_cfg: ModelConfig,
     train_cfg: TrainConfig,
     mesh: jax.sharding.Mesh | None = None,
-    rules: specs_lib.Rules = specs_lib.DEFAULT_RULES,
+    rules: specs_lib.Rules = RULES,
 ) -> tuple[LinenSide, NnxSide]:
   """Both sides of one config, on one device (`mesh=None`) or on `mesh` under `rules`.
 

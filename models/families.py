@@ -110,9 +110,10 @@ def encoder_batch(cfg: EncoderConfig, step: int, split: str = 'train') -> dict[s
 class LmConfig:
   """A small causal language model: embedding, pre-norm decoder blocks (stock attention, MLP), dense head.
 
-  head_dim = emb_dim // num_heads must be a power of 4: Linen's attention divides
-  the query by sqrt(head_dim), NNX's stock one (jax.nn.dot_product_attention)
-  multiplies the logits by 1/sqrt(head_dim); both are exact only then.
+  head_dim = emb_dim // num_heads (16): Linen's attention divides the query by
+  sqrt(head_dim), NNX's stock one (jax.nn.dot_product_attention) multiplies the
+  logits by 1/sqrt(head_dim) and lays its sums out otherwise, which can round
+  otherwise at any head_dim (docs/plugin.md, "Stock attention").
   """
 
   vocab_size: int = 64

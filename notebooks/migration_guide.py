@@ -39,6 +39,7 @@
 # | 8 | checkpoints | a Linen checkpoint restored into NNX, training resumed bit for bit |
 # | 9 | `parity compare` | the side-by-side report |
 # | 10 | your own model | path, layout and spec rules; the pytest helpers |
+# | 11 | your own model pair | `parity.model_pair`: the battery's parts bit for bit; a slipped port caught |
 
 # %% [markdown]
 # ## 0. Set-up
@@ -936,7 +937,97 @@ assert specs.physical_spec(('embed_vocab', 'vocab'), my_rules, mesh_sizes) != \
 # | `parity.core.specs.linen_logical_specs`, `nnx_logical_specs` | read the logical axes from a boxed Linen tree or an NNX `Param` state |
 # | `bridge.tables.drift(linen_rows, nnx_rows, layout)` | human-readable lines for every parameter whose shape, dtype or spec differs |
 # | `parity.core.paths.flatten`, `map_paths`, `fill` | `{path: array}` views, renames, strict refilling of a template |
+
+# %% [markdown]
+# ## 11. Your own model pair, proven through the model-level API
 #
+# Most repositories keep their models apart from the train loop, and have no
+# train step to hand the plugin. Then `parity.model_pair` writes both sides:
+# given the two models, how a batch becomes their inputs, a loss and an
+# optimizer, it writes each side's train state, jitted train and eval steps
+# and forward pass, as a user would write them in each framework
+# (docs/first-pair.md walks through it). Here it takes section 10's toy
+# pair as it is. Nothing maps `Dense_0` to `up`: the kit infers the module
+# correspondences from one traced train-mode loss per side. The toy's call takes
+# no `train` keyword and has no dropout, so `mode=None` (no mode keyword is
+# passed) and `dropout=None` (no dropout key).
+#
+# `batch(step, split)` gives the same arrays for the same `(step, split)`,
+# `split` being `'train'` (the training steps) or `'eval'` (the eval part):
+# the kit asks for them many times, from both sides.
+#
+# In a test file, a pair at module level becomes one pytest test per part
+# of the battery. Here the cell runs the parts through
+# `parity.battery.checks`, the functions those tests call: each raises
+# `AssertionError` naming every path that differs, so a port that diverged
+# stops the guide at this cell.
+
+# %%
+import optax
+
+import parity
+from parity.battery import checks
+from parity.pairs import adapter
+
+
+def toy_batch(step: int, split: str) -> dict[str, np.ndarray]:
+    """8 rows of 8 features, each labelled by its largest: a pure function of (step, split)."""
+    rows = np.random.default_rng([step, {'train': 0, 'eval': 1}[split]]).normal(size=(8, 8)).astype(np.float32)
+    return {'x': rows, 'label': rows.argmax(-1).astype(np.int32)}
+
+
+def toy_loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch['label']).mean()
+
+
+def toy_model_pair(name, nnx_model):
+    return parity.model_pair(name, linen=LinenToy(), nnx=nnx_model, inputs=lambda batch: batch['x'],
+                             loss=toy_loss, optimizer=optax.adam(1e-3), batch=toy_batch, mode=None, dropout=None)
+
+
+toy_pair = toy_model_pair('toy', NnxToy)
+_, toy_nnx_side = adapter.make_pair_sides(toy_pair, None)
+print('inferred correspondences (Linen, NNX):', toy_nnx_side.renames.rules)
+assert toy_nnx_side.renames.rules == (('Dense_0', 'up'), ('Dense_1', 'down'))
+
+toy_parts = {
+    'structure': lambda: checks.check_structure(toy_pair),  # one state tree, in Linen's paths
+    'init': lambda: checks.check_init(toy_pair),  # each side's own initialisers, in distribution
+    'grads': lambda: checks.check_grads(toy_pair),  # loss and gradients from one state
+    'train[linen]': lambda: checks.check_train(toy_pair, 'linen'),  # 4 steps from the Linen init
+    'train[nnx]': lambda: checks.check_train(toy_pair, 'nnx'),  # and from the NNX init
+    'eval': lambda: checks.check_eval(toy_pair),  # eval outputs and metrics
+    'memory': lambda: checks.check_memory(toy_pair),  # XLA's memory analysis of the train steps
+    'program': lambda: checks.check_program(toy_pair),  # the canonical train-step programs
+}
+for part, check in toy_parts.items():
+    notes = check()  # raises AssertionError on any difference
+    assert not notes, (part, notes)  # nothing declared, nothing to note: every value bit for bit
+    print(f'{part}: bit for bit')
+
+# %% [markdown]
+# **When the port slips.** The same pair with the NNX toy's activation
+# changed, `relu` where Linen has `gelu`: the gradients part fails, and its
+# message starts with the divergence localizer's finding, which names where
+# the two forward passes part (every earlier module call agrees; the input
+# of the second `Dense` differs), then every differing path.
+
+# %%
+class NnxToySlipped(NnxToy):
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+try:
+    checks.check_grads(toy_model_pair('toy_slipped', NnxToySlipped))
+    raise RuntimeError('a slipped port passed the gradients part')
+except AssertionError as e:
+    slipped_report = str(e)
+print('\n'.join(line[:160] for line in slipped_report.splitlines()[:4]))
+forward_finding = next(line for line in slipped_report.splitlines() if 'forward pass' in line)
+assert 'the input of Dense_1' in forward_finding, slipped_report  # the second Dense: `down` in NNX
+
+# %% [markdown]
 # ## What you have now
 #
 # Each step of the migration has a check that fails when the step is wrong:
@@ -945,4 +1036,5 @@ assert specs.physical_spec(('embed_vocab', 'vocab'), my_rules, mesh_sizes) != \
 # gradients and training, dropout masks that match and move, checkpoints that
 # cross between the frameworks and resume exactly, and one command that shows
 # it all side by side. The full battery (`make test-all`) runs the same checks on
-# every scenario and on several meshes.
+# every scenario and on several meshes, and your own pair gets them from ten
+# lines: section 11, or a test file (docs/first-pair.md).

@@ -26,7 +26,7 @@ from parity.run import runner
 from parity.compare.programs import sharding_annotations
 from bridge.reference import run_compare
 from parity.run.runner import CompareResult
-from bridge.sides import make_sides
+from bridge.sides import RULES, make_sides
 
 STEPS = 10
 MESH_STEPS = 3
@@ -109,7 +109,7 @@ def train_on_mesh(
     model_cfg: ModelConfig,
     train_cfg: TrainConfig,
     mesh: jax.sharding.Mesh | None,
-    rules: specs.Rules = specs.DEFAULT_RULES,
+    rules: specs.Rules = RULES,
     steps: int = MESH_STEPS,
 ) -> MeshRun:
   """Linen initialises; NNX starts from the same state; both train `steps` steps."""

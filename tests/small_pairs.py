@@ -142,33 +142,66 @@ renamed_constraint = pair('renamed_constraint', constraint=('batch', 'mlp'))
 leaky_act = pair('leaky_act', slope=0.5)
 
 
-# --- Planted pairs: one bug each in the NNX side, for tests/test_checks_fail.py ---------
+# --- Planted pairs: one bug each in the NNX side, for tests/test_checks_fail.py (and ----
+# tests/test_truthful_messages.py) -------------------------------------------------------
 # A bag-of-tokens MLP of flax's stock layers, VOCAB counts in and VOCAB logits out (so it
 # decodes: the cache is the counts of the tokens fed), dropout after its first layer:
-# Linen Dense_0 (no bias), Dropout_0, Dense_1, Dense_2 (LayerNorm_0), Dense_3; NNX `inp`,
-# `dropout`, `hidden1`, `hidden2` (`norm`), `out`. `planted(name, **bugs)` makes a pair
-# whose NNX side carries the bugs named (PlantedNnx's keywords, and SIDE_OPTIONS: `fixed_key`,
-# `decode`, `eval_rmse`, StockNnx's own); sides are made once per set of
-# options and shared between pairs, so a program compiles once per process.
+# Linen Dense_0 (no bias), Dropout_0, Dense_1 (RMSNorm_0), Dense_2 (LayerNorm_0 or RMSNorm_0),
+# Dense_3; NNX `inp`, `dropout`, `hidden1` (`rms`), `hidden2` (`norm`), `out`.
+# `planted(name, **bugs)` makes a pair whose NNX side carries the bugs named (PlantedNnx's
+# keywords, and SIDE_OPTIONS: `fixed_key`, `decode`, `eval_rmse`, StockNnx's own; `norm` and
+# `zero` shape both sides); sides are made once per set of options and shared between pairs,
+# so a program compiles once per process.
 
 VOCAB, WIDTH, RATE = 8, 8, 0.5
 PROMPT, DECODE_STEPS = 3, 4
 SWAPPED_RENAMES = parity.Renames((('Dense_1', 'hidden1'), ('Dense_2', 'hidden2')))
 
 
+class RMSNorm(nn.Module):
+  """The project's own RMS norm, named as flax's stock one (tests/test_truthful_messages.py)."""
+
+  epsilon: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],))
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.epsilon) * scale
+
+
+class NnxRMSNorm(nnx.Module):
+  """RMSNorm in NNX, the same code."""
+
+  def __init__(self, features: int, epsilon: float = 1e-6):
+    self.scale = nnx.Param(jnp.ones((features,)))
+    self.epsilon = epsilon
+
+  def __call__(self, x):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.epsilon) * self.scale[...]
+
+
 class PlantedLinen(nn.Module):
-  """Dense_0 (no bias), relu, Dropout_0, Dense_1, relu, Dense_2, [LayerNorm_0], relu, Dense_3."""
+  """Dense_0 (no bias), relu, Dropout_0, Dense_1, relu, [RMSNorm_0], Dense_2, [LayerNorm_0 or RMSNorm_0],
+  relu, Dense_3."""
 
   stream: bool = False  # dropout draws make_rng('dropout'); else the key passed at the call
-  norm: bool = False  # a LayerNorm after Dense_2 (flax's stock norm lowers otherwise in NNX)
+  # True: a LayerNorm after Dense_2 (flax's stock norm lowers otherwise in NNX); 'rms+layer': and
+  # flax's stock RMSNorm after Dense_1 (as otherwise); 'own': the project's own RMSNorm after Dense_2.
+  norm: bool | str = False
+  zero: bool = False  # Dense_1 and Dense_2 initialised to zeros: no gradient reaches them or what feeds them
 
   @nn.compact
   def __call__(self, x, train: bool, key=None):
     h = nn.relu(nn.Dense(WIDTH, use_bias=False)(x))
     h = nn.Dropout(RATE, deterministic=not train)(h, rng=None if self.stream else key)
-    h = nn.relu(nn.Dense(WIDTH)(h))  # Dense_1 made and called first, then Dense_2
-    h = nn.Dense(WIDTH)(h)
-    if self.norm:
+    init = nn.initializers.zeros if self.zero else nn.initializers.lecun_normal()
+    h = nn.relu(nn.Dense(WIDTH, kernel_init=init)(h))  # Dense_1 made and called first, then Dense_2
+    if self.norm == 'rms+layer':
+      h = nn.RMSNorm()(h)
+    h = nn.Dense(WIDTH, kernel_init=init)(h)
+    if self.norm == 'own':
+      h = RMSNorm()(h)
+    elif self.norm:
       h = nn.LayerNorm()(h)
     return nn.Dense(VOCAB)(nn.relu(h))
 
@@ -181,13 +214,18 @@ class PlantedNnx(nnx.Module):
   """PlantedLinen in NNX; each keyword plants a bug (all False: the same program)."""
 
   def __init__(self, rngs, stream=False, norm=False, frozen=False, swapped=False, eval_scaled=False,
-               counted=False):
+               counted=False, epsilon=None, zero=False):
     self.inp = nnx.Linear(VOCAB, WIDTH, use_bias=False, rngs=rngs)
     # stream: a stock dropout holding its RNG stream, called without a key.
     self.dropout = nnx.Dropout(RATE, rngs=rngs) if stream else nnx.Dropout(RATE)
-    self.hidden1 = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
-    self.hidden2 = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
-    self.norm = nnx.LayerNorm(WIDTH, rngs=rngs) if norm else None
+    init = nnx.initializers.zeros if zero else nnx.initializers.lecun_normal()  # zero: as PlantedLinen's
+    self.hidden1 = nnx.Linear(WIDTH, WIDTH, kernel_init=init, rngs=rngs)
+    self.rms = nnx.RMSNorm(WIDTH, rngs=rngs) if norm == 'rms+layer' else None
+    self.hidden2 = nnx.Linear(WIDTH, WIDTH, kernel_init=init, rngs=rngs)
+    # epsilon: the bug, another epsilon in the norm after hidden2 (flax's LayerNorm, or the project's RMSNorm)
+    eps = {} if epsilon is None else {'epsilon': epsilon}
+    self.norm = (NnxRMSNorm(WIDTH, **eps) if norm == 'own' else nnx.LayerNorm(WIDTH, rngs=rngs, **eps) if norm
+                 else None)
     self.out = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
     self.calls = Calls(jnp.zeros((), jnp.int32)) if counted else None
     self.stream, self.frozen, self.swapped, self.eval_scaled = stream, frozen, swapped, eval_scaled
@@ -200,7 +238,10 @@ class PlantedNnx(nnx.Module):
     if self.eval_scaled and not train:  # the bug: inference-time dropout scaling, in eval mode only
       h = h * (1 - RATE)
     first, second = (self.hidden2, self.hidden1) if self.swapped else (self.hidden1, self.hidden2)
-    h = second(nnx.relu(first(h)))
+    h = nnx.relu(first(h))
+    if self.rms is not None:
+      h = self.rms(h)
+    h = second(h)
     if self.norm is not None:
       h = self.norm(h)
     if self.calls is not None and train:
@@ -234,9 +275,9 @@ def _bag_call(apply, first_index=0):
 
 
 @functools.cache
-def _planted_linen_code(stream, norm):
+def _planted_linen_code(stream, norm, zero=False):
   """(create, train, eval, loss, forward, decode) of the Linen side."""
-  model = PlantedLinen(stream=stream, norm=norm)
+  model = PlantedLinen(stream=stream, norm=norm, zero=zero)
 
   def create(seed):
     params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, VOCAB)), train=False)['params']
@@ -309,8 +350,8 @@ def _planted_nnx_code(model_options, fixed_key, decode_bug, eval_rmse):
 
 
 @functools.cache
-def _planted_linen_side(stream, norm, mesh):
-  create, train, evaluate, loss, forward, decode = _planted_linen_code(stream, norm)
+def _planted_linen_side(stream, norm, mesh, zero=False):
+  create, train, evaluate, loss, forward, decode = _planted_linen_code(stream, norm, zero)
   return parity.StockLinen(create, train, evaluate, loss, mesh=mesh, forward=forward, decode_fn=decode)
 
 
@@ -329,7 +370,8 @@ SIDE_OPTIONS = ('fixed_key', 'decode', 'eval_rmse', 'nnx_only', 'dropout_keys', 
 
 def _planted_sides(model_options, side_options, mesh):
   options = dict(model_options)
-  linen = _planted_linen_side(options.get('stream', False), options.get('norm', False), mesh)
+  linen = _planted_linen_side(options.get('stream', False), options.get('norm', False), mesh,
+                              options.get('zero', False))
   return linen, _planted_nnx_side(model_options, side_options, mesh)
 
 

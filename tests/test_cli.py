@@ -518,6 +518,25 @@ def test_compare_decodes_after_training_and_reports_it(argv, tmp_path, capsys):
     assert decode['program'] is None and 'not compared (a side gives no lower_decode_step)' in out
 
 
+@pytest.mark.exhaustive  # the CLI end to end in a fresh interpreter, on the mesh
+def test_compare_decodes_on_a_mesh_from_the_command_line(tmp_path):
+  """`parity compare --decode N --mesh fsdp=4,tensor=2`: the command's sides place the cache by
+  its logical axes on both sides (bridge/sides.py RULES); without the cache's rules, NNX's cache
+  init read `cache_batch` as a mesh axis and the command crashed."""
+  report = tmp_path / 'report.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'parity', 'compare', '--mesh', 'fsdp=4,tensor=2', '--steps', '1',
+       '--decode', '1', '--no-program-check', '--json', str(report)],
+      capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS='cpu'), timeout=600,
+  )
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  data = json.loads(report.read_text())
+  assert data['num_devices'] == 8 and data['bitwise_equal'] is True
+  decode = data['decode']
+  assert decode['bitwise_equal'] is True and decode['steps'] == 1, decode
+  assert decode['memory']['linen'] == decode['memory']['nnx'], decode['memory']
+
+
 @pytest.mark.exhaustive  # a planted difference: a fresh compile of the decoder's steps
 def test_compare_decode_fails_on_a_decoding_step_whose_program_differs(monkeypatch, capsys):
   """NNX's decoding step lowered on a cache one slot longer: the tokens still agree, but the

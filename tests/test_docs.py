@@ -169,3 +169,31 @@ def test_the_first_pair_page_shows_the_tutorials_pair_and_the_language_models_gl
   assert shown == pair
   glue = _block(REPO / 'tests' / 'test_family_lm_model_level.py', '# --- glue ---', '# --- end of glue ---')
   assert glue in page
+
+
+def test_the_first_pair_page_shows_the_side_template_as_it_is():
+  """docs/first-pair.md copies tests/test_side_template.py's template verbatim: the suite runs its battery."""
+  page = (REPO / 'docs' / 'first-pair.md').read_text()
+  template = _block(REPO / 'tests' / 'test_side_template.py', '# --- side template ---', '# --- end of side template ---')
+  shown = page.split('<!-- side-template -->', 1)[1].split('```python\n', 1)[1].split('```', 1)[0].strip()
+  assert shown == template
+
+
+VERBATIM = re.compile(r'^<!-- verbatim: (\S+) -->$')
+
+
+def test_docs_code_shown_as_a_files_is_in_that_file_verbatim():
+  """A ```python block after `<!-- verbatim: PATH -->` shows code of PATH: each of its top-level
+  pieces (separated by two blank lines) is in the file as it is, so the page cannot drift from it."""
+  shown = 0
+  for path in DOCS:
+    for language, text, previous, line in _blocks(path):
+      match = VERBATIM.match(previous)
+      if not match:
+        continue
+      assert language == 'python', f'{path.name}:{line}: {previous} marks a ```{language} block'
+      source = (REPO / match.group(1)).read_text()
+      for piece in text.strip().split('\n\n\n'):
+        assert piece.strip() in source, f'{path.name}:{line}: not in {match.group(1)} as shown:\n{piece}'
+        shown += 1
+  assert shown >= 8, shown  # docs/plugin.md shows the language model's steps, both sides'

@@ -98,7 +98,7 @@ STOCK_ATTENTION = KnownDifference(
         'stock attention scales at another point: Linen (flax.linen.dot_product_attention_weights)'
         ' divides the query by sqrt(head_dim) before q.k; nnx.MultiHeadAttention without dropout'
         ' calls jax.nn.dot_product_attention, which multiplies the logits by 1/sqrt(head_dim)'
-        ' after it. Same constant bits, other rounding (none when head_dim is a power of 4);'
+        ' after it. Same constant bits, other rounding (and the sums laid out otherwise);'
         ' giving NNX the Linen formula makes every check bitwise (the encoder pair)'
     ),
 )

@@ -88,10 +88,11 @@ def test_a_bug_planted_in_the_nnx_side_fails_and_the_localizer_names_its_module(
   with pytest.raises(AssertionError) as failure:
     checks.check_grads(pair)
   message = str(failure.value)
-  named = (f'forward pass: first differs at module {module}', f'forward pass: inside module {module},')
+  named = (f'forward pass: first differs at module {module} (', f'forward pass: inside module {module},',
+           f'forward pass: inside module {module} (NNX: ')  # its NNX path after it where that differs
   assert any(line in message for line in named), message
   if bug == 'causal_mask':
-    assert 'the input of DecoderBlock_0 differs' in message and 'mask' in message, message
+    assert 'the input of DecoderBlock_0 (NNX: blocks/0) differs' in message and 'mask' in message, message
 
 
 @pytest.mark.exhaustive
@@ -152,8 +153,9 @@ def test_an_nnx_cache_index_off_by_one_fails_the_decode_part_naming_the_module_a
     jax.clear_caches()  # and without it, for the tests after this one
   message = str(failure.value)
   assert f'first differing decode step: {step} of 8' in message, message
-  assert ('decode localizer: first differs inside module DecoderBlock_0/MultiHeadDotProductAttention_0,'
-          f' outside its submodules (the input of DecoderBlock_0/MultiHeadDotProductAttention_0/out'
+  assert ('decode localizer: first differs inside module DecoderBlock_0/MultiHeadDotProductAttention_0'
+          ' (NNX: blocks/0/attention), outside its submodules (the input of'
+          ' DecoderBlock_0/MultiHeadDotProductAttention_0/out (NNX: blocks/0/attention/out)'
           f' differs), {where}') in message, message
 
 
@@ -223,6 +225,7 @@ def test_the_stock_attentions_own_dropout_draws_linens_keys_too(scheme):
     checks.check_grads(pair)
   message = str(failure.value)
   module = 'DecoderBlock_0/MultiHeadDotProductAttention_0'
-  assert any(line in message for line in (f'first differs at module {module}', f'inside module {module},')), message
+  assert any(line in message for line in (f'first differs at module {module} (', f'inside module {module},',
+                                          f'inside module {module} (NNX: ')), message
   assert "flax's stock attention with its own dropout (rate 0.1)" in message, message
   assert "dropout_keys='linen'" in message and 'scales' not in message, message

@@ -12,7 +12,7 @@ from models.families import LM_RULES, LmConfig, lm_batch
 from models.linen import lm as linen_lm
 from models.nnx import lm as nnx_lm
 
-CFG = LmConfig(nnx_attention='linen', attention_dropout_rate=0.1)  # NNX given Linen's attention formula
+CFG = LmConfig(attention_dropout_rate=0.1)  # stock attention on both sides, its own dropout on
 # flax's stock layer norms lower otherwise in Linen and NNX, with the same numbers (as in tests/test_family_lm.py)
 NORMS = ('LayerNorm_0', *(f'DecoderBlock_{i}/LayerNorm_{j}' for i in range(CFG.num_layers) for j in (0, 1)))
 LN = parity.KnownDifference(NORMS, ('program', 'memory'), 'stock lowering', max_changed_lines=2300, max_temp_bytes=256)
@@ -172,5 +172,6 @@ def test_a_slot_ones_own_cache_skips_fails_from_that_step_naming_the_attention()
   message = str(failure.value)
   assert 'first differing decode step: 3 of 8' in message, message
   module = 'DecoderBlock_0/MultiHeadDotProductAttention_0'
-  assert (f'decode localizer: first differs inside module {module}, outside its submodules (the input of'
-          f' {module}/out differs), in model call 6 of 11: decode step 3 of 8 (it feeds token 2)') in message, message
+  assert (f'decode localizer: first differs inside module {module} (NNX: blocks/0/attention), outside its'
+          f' submodules (the input of {module}/out (NNX: blocks/0/attention/out) differs), in model call 6 of 11:'
+          ' decode step 3 of 8 (it feeds token 2)') in message, message

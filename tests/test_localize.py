@@ -142,7 +142,7 @@ def test_a_backward_only_break_is_named_at_its_module(layer):
   assert result.forward is None, result.lines()
   assert result.backward == [(f'dense_{layer}', [f'params/dense_{layer}/kernel'])], result.lines()
   assert result.lines()[1].startswith(
-      f'backward pass: inside module dense_{layer}: output cotangent bitwise equal,'
+      f'backward pass: inside module dense_{layer} (NNX: layers/{layer}): output cotangent bitwise equal,'
       f' gradients differ: params/dense_{layer}/kernel'
   )
 
@@ -233,7 +233,7 @@ def test_a_divergence_inside_rematerialised_layers_names_the_unrecorded_calls():
   assert (result.forward, result.forward_call, result.forward_unrecorded) == (
       localize.ROOT, 'dense_2', ('dense_0', 'dense_1'))
   line = result.lines()[0]
-  assert line.startswith('forward pass: inside module (model): the input of dense_2 differs while'
+  assert line.startswith('forward pass: inside module (model): the input of dense_2 (NNX: layers/2) differs while'
                          ' every earlier recorded call agrees'), line
   assert line.endswith('it arose in a call not recorded there, dense_0, dense_1 (inside a transformed'
                        " body), or in (model)'s own code between its submodules"), line

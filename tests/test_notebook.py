@@ -12,7 +12,10 @@ Wall time, one CPU core, from a cold jax compilation cache: 47 s on
 Python 3.11 (jax 0.10), 40 s on Python 3.12 (jax 0.12); compiling the tiny
 model's steps is nearly all of it. With the persistent compilation cache that
 conftest.py sets up already holding those programs (a second run, or other
-tests of the suite having compiled them), about 7 s. One xdist group of its own.
+tests of the suite having compiled them), about 7 s. Section 11 (a model-level
+pair's parts, then a slipped port's gradients) added about 4 s to a warm run
+(57 s to 61 s on 2 cores shared with other work, load near 7). One xdist group
+of its own.
 """
 from __future__ import annotations
 

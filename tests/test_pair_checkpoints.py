@@ -268,6 +268,78 @@ def test_diff_names_a_leaf_recorded_on_another_device(own, tmp_path):
   assert "'device_str': 'cpu:0'" in diff.differences[0] and "'device_str': 'cpu:7'" in diff.differences[0]
 
 
+def test_diff_streams_each_leaf_a_box_pair_at_a_time_and_says_what_a_whole_array_comparison_says(
+    own, tmp_path, monkeypatch):
+  """diff-checkpoints never holds two whole arrays: with a budget of 16 bytes a box, a float32[4, 8]
+  kernel is read in 8 box pairs of 4 elements, and every leaf's line (count, max abs diff, max ULP
+  distance, first differing index and its values) is what comparing the whole arrays says."""
+  root, linen_state, _ = own
+  pure = parity.to_nnx_layout(tiny_pairs.tiny, linen_state, pure=True)
+  kernel = np.array(pure[0]['inp']['kernel'])
+  planted = kernel.copy()
+  planted[3, 6] = np.nextafter(planted[3, 6], np.float32(np.inf))  # 1 ULP, in the last box
+  planted[1, 5] = -planted[1, 5]  # across zero: the first difference, in the fourth box
+  planted[2, 0] = planted[2, 0] * np.float32(1.5)
+  pure[0]['inp']['kernel'] = jax.numpy.asarray(planted)  # a jax.Array: its sharding recorded as the others'
+  adam = pure[1]['opt_state'][1][0]
+  adam['mu']['inp']['kernel'], adam['nu']['inp']['kernel'] = adam['nu']['inp']['kernel'], adam['mu']['inp']['kernel']
+  pure[1]['step'] = pure[1]['step'] + 1
+  _save(tmp_path / 'planted', pure)
+  whole = parity.compare_checkpoints(tiny_pairs.tiny, root / 'linen', tmp_path / 'planted')
+
+  reads = []
+  read_pair = pair_convert._read_pair
+
+  def spy(items, stored, stores, box):
+    xa, xb = read_pair(items, stored, stores, box)
+    reads.append((stored[0].disk, box, xa.nbytes, xb.nbytes))
+    return xa, xb
+
+  monkeypatch.setattr(pair_convert, 'DIFF_BOX_BYTES', 16)
+  monkeypatch.setattr(pair_convert, '_read_pair', spy)
+  streamed = parity.compare_checkpoints(tiny_pairs.tiny, root / 'linen', tmp_path / 'planted')
+  kernel_reads = [(box, na, nb) for disk, box, na, nb in reads if disk == 'params/Dense_0/kernel']
+  assert len(kernel_reads) == 8 and all(na == nb == 16 for _, na, nb in kernel_reads), kernel_reads
+  assert sorted((b[0].start, b[1].start) for b, _, _ in kernel_reads) == [(r, c) for r in range(4) for c in (0, 4)]
+  assert max(max(na, nb) for _, _, na, nb in reads) <= 16, reads
+  # The same lines as with whole arrays, and the kernel's as bitwise.compare_leaves says of the whole arrays.
+  assert streamed.differences == whole.differences and streamed.kinds == whole.kinds == {'values': 4}
+  expected = bitwise.compare_leaves('k', np.asarray(linen_state.params['Dense_0']['kernel']), planted).detail
+  assert ('params/Dense_0/kernel [A linen: params/Dense_0/kernel | B nnx-pure: 0/inp/kernel]: values: '
+          + expected) in streamed.differences, streamed.differences
+  assert '3 of 32 elements differ' in expected and 'first at index [1, 5]' in expected, expected
+  assert '1 of them of opposite sign' in expected, expected
+  assert any(line.startswith('step [A linen: step | B nnx-pure: 1/step]: values: int32 vs uint32 by design,'
+                             ' compared as integers: int64[]: 1 of 1 elements differ, max abs diff 1')
+             for line in streamed.differences), streamed.differences
+
+
+@pytest.mark.parametrize('chunks', [((2, 10), (2, 10)), ((6, 3), (6, 3)), ((2, 10), (6, 3)), ((6, 3), (4, 4))])
+def test_a_streamed_comparison_across_chunk_grids_is_the_whole_array_comparison(tmp_path, monkeypatch, chunks):
+  """Two arrays stored in chunks of their own, compared in boxes smaller than a chunk: the detail is
+  `bitwise.compare_leaves`'s of the whole arrays (the first difference in C order, not in chunk order)."""
+  import tensorstore as ts
+
+  gen = np.random.default_rng(0)
+  a = gen.standard_normal((6, 10)).astype(np.float32)
+  b = a.copy()
+  b[0, 7] = np.nextafter(b[0, 7], np.float32(0))  # first in C order; in the second column chunk of (6, 3)
+  b[4, 1], b[5, 9] = -b[4, 1], b[5, 9] * np.float32(3)
+  items, stored = [], []
+  for side, (x, chunk) in zip('ab', ((a, chunks[0]), (b, chunks[1]))):
+    item_dir = tmp_path / side
+    spec = pair_convert._store_spec(os.fspath(item_dir), 'x', zarr3=False, ocdbt=False)
+    spec['metadata'] = {'shape': [6, 10], 'chunks': list(chunk), 'dtype': '<f4', 'compressor': None}
+    ts.open(spec, create=True).result().write(x).result()
+    items.append(pair_convert.Item(os.fspath(item_dir), 'checkpointer', os.fspath(item_dir)))
+    stored.append(pair_convert.Stored('x', 'x', (6, 10), np.dtype(np.float32), chunk, {}, False, False))
+  monkeypatch.setattr(pair_convert, 'DIFF_BOX_BYTES', 8)
+  expected = bitwise.compare_leaves('x', a, b).detail
+  assert 'first at index [0, 7]' in expected, expected
+  assert pair_convert._compare_arrays(items, stored[0], stored[1], cast=False) == expected
+  assert pair_convert._compare_arrays([items[0]] * 2, stored[0], stored[0], cast=False) is None
+
+
 # ------------------------------------------------------------- bad input ---
 
 

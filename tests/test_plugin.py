@@ -13,7 +13,9 @@ suite's XLA set-up: the plugin asks for the CPU devices its meshes take.
 from __future__ import annotations
 
 import pathlib
+import re
 import shutil
+import types
 
 import pytest
 
@@ -76,6 +78,24 @@ def test_a_declared_pair_becomes_the_battery(user_project):
   ]
 
 
+def test_a_pairs_parts_form_two_groups_that_compile_apart(user_project):
+  """Under xdist one pair uses two workers: the parts that train share one group (one compiled
+  train step per side), the parts with programs of their own another."""
+  user_project.makeconftest('''
+import pytest
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+  for item in items:
+    print('GROUP', item.nodeid.split('::', 1)[1], item.get_closest_marker('xdist_group').args[0])
+''')
+  result = user_project.runpytest_subprocess('--collect-only', '-q', '-s', '-p', 'no:cacheprovider', '-k', 'broken')
+  groups = dict(line.split()[1:] for line in result.outlines if line.startswith('GROUP '))
+  own = {test for test, group in groups.items() if group == 'parity-broken/own-programs'}
+  assert own == {'broken::test_specs', 'broken::test_grads', 'broken::test_localize'}, groups
+  assert {groups[test] for test in set(groups) - own} == {'parity-broken'}, groups
+
+
 @pytest.mark.exhaustive
 def test_a_broken_pair_fails_with_the_bitwise_report_and_the_localizer(user_project):
   # Strict projects too: findings go to the JUnit XML without pytest's xunit2 warning
@@ -96,6 +116,38 @@ def test_a_broken_pair_fails_with_the_bitwise_report_and_the_localizer(user_proj
   ])
   # The failure shows the test's line and the message, not the battery's source.
   result.stdout.no_fnmatch_line('*raise _with_localization*')
+
+
+RAISING_PAIR = '''
+
+import dataclasses
+
+
+def _create_raises(seed):
+  raise ValueError('planted: the NNX create cannot build its model')
+
+
+def raising_sides(mesh):
+  linen, nnx_side = make_sides(mesh)
+  return linen, dataclasses.replace(nnx_side, create=_create_raises)
+
+
+raising = parity.Pair('raising', raising_sides, functools.partial(classifier_batch, CFG))
+'''
+
+
+def test_a_create_that_raises_shows_its_traceback_once(user_project):
+  """Every part needs the sides' states: the first part that builds one shows the error with
+  its traceback, every other part fails in one line that names it."""
+  user_project.makepyfile(test_raising=readme_example() + RAISING_PAIR)
+  result = user_project.runpytest_subprocess('-p', 'no:cacheprovider', 'test_raising.py::raising',
+                                             '--parity-parts=structure,init,grads,train,eval,checkpoints')
+  outcomes = result.parseoutcomes()
+  assert outcomes.get('failed', 0) >= 6 and not outcomes.get('passed'), outcomes
+  text = result.stdout.str()
+  assert text.count("raise ValueError('planted: the NNX create cannot build its model')") == 1, text
+  assert len(re.findall(r'raising: .* whose report shows the traceback: ValueError: planted: the NNX create'
+                        r' cannot build its model\n', text)) == outcomes['failed'] - 1, text
 
 
 @pytest.mark.parametrize('option,message', [
@@ -161,9 +213,38 @@ def test_under_n_a_pairs_group_stays_on_one_worker_unless_a_distribution_is_give
   args = ['-n', '2', '-p', 'no:cacheprovider', '-rA'] + ([] if dist is None else ['--dist', dist])
   result = pytester.runpytest_subprocess(*args)
   result.assert_outcomes(passed=1)
-  applied = "parity: --dist loadgroup (each pair's tests on one worker; give --dist to choose another)"
+  applied = ("parity: --dist loadgroup (a pair's parts that train on one worker, those with programs of their own"
+             ' on another; a worker fails them if the grouping did not take effect; give --dist to choose another)')
   if dist is None:
     result.stdout.fnmatch_lines([applied, '*PASSED test_grouped.py::test_one@pair*'])
   else:
     assert applied not in result.stdout.str()
     result.stdout.fnmatch_lines(['*PASSED test_grouped.py::test_one'])
+
+
+class _Item:
+  """A collected test as the plugin's grouping guard reads it."""
+
+  def __init__(self, nodeid, config):
+    self.nodeid, self.config = nodeid, config
+
+  def get_closest_marker(self, name):
+    return pytest.mark.xdist_group('parity-x').mark if name == 'xdist_group' else None
+
+
+@pytest.mark.parametrize('suffix, fails', [('@parity-x', False), ('', True)])
+def test_a_worker_whose_grouping_did_not_take_effect_fails_every_test(pytestconfig, suffix, fails):
+  """pytest 9.2 with xdist 3.8 drops loadgroup's `@group` suffix (pytest-dev/pytest-xdist#1386):
+  a worker that sees its grouped tests without it fails each test, naming the cause, instead of
+  letting every worker compile every pair again."""
+  from parity.battery import plugin
+
+  config = types.SimpleNamespace(option=types.SimpleNamespace(loadgroup=True), stash=pytest.Stash())
+  item = _Item('test_x.py::pair::test_grads' + suffix, config)
+  plugin.pytest_collection_finish(types.SimpleNamespace(config=config, items=[item]))
+  if not fails:
+    plugin.pytest_runtest_setup(item)
+    return
+  with pytest.raises(pytest.fail.Exception, match=r'--dist loadgroup is not grouping tests here \(1 grouped'
+                     r' tests lack their @group suffix\).*pytest-xdist#1386. Install a pytest below 9.2'):
+    plugin.pytest_runtest_setup(item)

@@ -463,7 +463,7 @@ def test_a_bug_in_a_method_other_than_call_is_named_with_its_method():
   assert (result.forward, result.forward_call, result.forward_inside) == (
       'LinenEmbedder_0', 'LinenEmbedder_0.decode', False), result.lines()
   assert result.lines()[0].startswith(
-      'forward pass: first differs at module LinenEmbedder_0, in its method decode ('), result.lines()
+      'forward pass: first differs at module LinenEmbedder_0 (NNX: embedder), in its method decode ('), result.lines()
 
 
 class LinenMasked(nn.Module):

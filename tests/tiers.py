@@ -65,6 +65,8 @@ from __future__ import annotations
 
 import pytest
 
+from parity.battery.parts import OWN_PROGRAM_GROUP
+
 # The decoder's scenarios in the core tier: the two composites (models/config.py) in place of
 # the baseline.
 CORE_SCENARIOS = ('11_composite_accum', '12_composite_fp8')
@@ -124,6 +126,17 @@ EXHAUSTIVE_PARTS = {
        ' and training; the page shows its whole battery passing'
        for part in ('specs', 'init', 'eval', 'checkpoints', 'resume', 'convert', 'mesh', 'memory', 'program',
                     'localize')},
+    **{('mlp_own_steps', part): "the side template's pair (docs/first-pair.md, tests/test_side_template.py): the"
+       ' core tier keeps what the template writes itself, its loss and steps (gradients, training, eval, memory'
+       " and program); its other parts move its state through the stock sides' code, as every stock pair's do"
+       for part in ('specs', 'init', 'checkpoints', 'resume', 'convert', 'mesh', 'localize')},
+    **{('attention_substituted', part): "the in-place attention substitution's layout, placements and"
+       ' checkpoints: the core tier keeps the parts that run its numbers (gradients, training, eval, memory,'
+       ' program, the localizer and the substitution part), each with the stand-in given'
+       for part in ('specs', 'init', 'checkpoints', 'resume', 'convert', 'mesh')},
+    ('attention_dropout_substituted', None):
+        "the in-place attention substitution with the attention's own dropout on, whose stock NNX formula is"
+        " Linen's already: attention_substituted proves the substitution in every part in the core tier",
     ('lm', 'checkpoints'): 'checkpoints in four directions: the classifier and encoder pairs run them',
     ('lm', 'resume'): 'resume across sides: the classifier and encoder pairs run it',
     ('decoder_11_composite_accum', 'grads'):
@@ -143,11 +156,12 @@ def string_param(item, name: str) -> str | None:
 
 
 def _group(item) -> str | None:
-  """The test's xdist group."""
+  """The test's xdist group (a pair's, whichever of its two: parity/battery/parts.py)."""
   marker = item.get_closest_marker('xdist_group')
   if marker is None:
     return None
-  return marker.args[0] if marker.args else marker.kwargs.get('name')
+  group = marker.args[0] if marker.args else marker.kwargs.get('name')
+  return group.removesuffix(OWN_PROGRAM_GROUP) if isinstance(group, str) else group
 
 
 def is_exhaustive(item, scenarios) -> bool:

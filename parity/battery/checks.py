@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import tempfile
 from typing import Any, Mapping, Sequence
 
@@ -39,12 +40,51 @@ from parity.compare import programs
 from parity.run import runner
 
 
+class EarlierFailure(AssertionError):
+  """A run a part needs raised already, in the first part that needed it (whose report holds
+  the traceback): every later part fails with this one line instead of the same traceback."""
+
+
+def _raises_once(method):
+  """`method` (cached) remembers that it crashed: later calls with the same arguments raise
+  `EarlierFailure`, naming the error, instead of running the failing code again. A finding
+  (AssertionError) is not remembered: every part that meets it reports it in full."""
+
+  signature = inspect.signature(method)
+
+  @functools.wraps(method)
+  def wrapper(self, *args, **kwargs):
+    bound = signature.bind(self, *args, **kwargs)
+    bound.apply_defaults()  # sides() and sides(None) are one run
+    args, kwargs = bound.args[1:], {}
+    key = (method.__name__, args)
+    failed = self.failures.get(key)
+    if failed is not None:
+      raise EarlierFailure(failed)
+    try:
+      return method(self, *args, **kwargs)
+    except (EarlierFailure, AssertionError):  # a finding: each part that meets it says it
+      raise
+    except Exception as e:  # noqa: BLE001 (a crash: remembered, then raised as it was)
+      what = ', '.join([repr(a) for a in args] + [f'{k}={v!r}' for k, v in sorted(kwargs.items())])
+      first = str(e).splitlines()[0] if str(e) else ''
+      self.failures[key] = (
+          f'{self.pair.name}: {method.__name__}({what}) raised in an earlier part, whose report'
+          f' shows the traceback: {type(e).__name__}{": " + first if first else ""}')
+      raise
+
+  return wrapper
+
+
 class _Runs:
-  """What a pair's checks share, computed on first use."""
+  """What a pair's checks share, computed on first use. A shared run that raises is run once:
+  the first part that needs it shows the error, every later one fails in one line."""
 
   def __init__(self, pair: adapter.Pair):
     self.pair = pair
+    self.failures: dict[tuple, str] = {}
 
+  @_raises_once
   @functools.cache
   def sides(self, mesh_spec: str | None = None) -> tuple[adapter.Side, adapter.Side]:
     try:
@@ -83,6 +123,7 @@ class _Runs:
       return str(e)
     return None
 
+  @_raises_once
   @functools.cache
   def start(self, init_side: str, mesh_spec: str | None = None) -> dict[str, Any]:
     """`init_side`'s fresh state in the checkpoint layout."""
@@ -98,6 +139,7 @@ class _Runs:
     side = self.side(init_side, mesh_spec)
     return side.to_checkpoint(side.init(self.pair.seed))
 
+  @_raises_once
   @functools.cache
   def trajectory(self, side_name: str, init_side: str, mesh_spec: str | None = None):
     """(train metrics per step, final state in the checkpoint layout, final state) of
@@ -184,7 +226,7 @@ class _Runs:
     streams = self.drawing_streams(nnx_module)
     if not streams:
       if module.rsplit('/', 1)[-1].startswith(('MultiHeadDotProductAttention', 'SelfAttention')):
-        return stock_attention_lines(module)  # by its Linen name, where the NNX module is not found
+        return stock_attention_lines(module, self.stock_attention_modules())  # the NNX module not found
       return self.dropout_scheme_lines(module)
     named = module if nnx_module == module else f'{module} (NNX {nnx_module})'
     where = ', '.join(streams)
@@ -214,13 +256,14 @@ class _Runs:
     return ['/'.join(p for p in (nnx_module, path, 'rngs') if p) for path, _ in held]
 
   def nnx_attention(self, module: str) -> Any:
-    """The NNX side's `nnx.MultiHeadAttention` at Linen path `module` (a fresh model's), or None."""
+    """The NNX side's `nnx.MultiHeadAttention` at Linen path `module` (a fresh model's, with any
+    declared stand-in given: StockNnx `substitutes`), or None."""
     side = self.side('nnx')
     if not hasattr(side, 'create') or not hasattr(side, 'renames'):
       return None
     try:
       with compat.eager_sharding_off():
-        node = side.create(self.pair.seed)[0]
+        node = getattr(side, '_create', side.create)(self.pair.seed)[0]
       for name in side.renames.to_nnx(module).split('/'):
         node = node[int(name)] if name.isdigit() else getattr(node, name)
     except Exception:  # pylint: disable=broad-except  (a hint only)
@@ -236,9 +279,24 @@ class _Runs:
               " call (or a stream it keeps): their masks cannot be equal. Pass the Rngs at the call and"
               " give the NNX side Linen's keys: StockNnx(..., dropout_keys='linen')"
               ' (docs/plugin.md, "Stock dropout")']
-    if attention.attention_fn is not substitutes.linen_attention:
-      return stock_attention_lines(module)
-    return []
+    if attention.attention_fn is nnx.dot_product_attention and not attention.dropout_rate:
+      return stock_attention_lines(module, self.stock_attention_modules())
+    return []  # Linen's formula: given as attention_fn, or flax's own with a dropout rate above 0
+
+  def stock_attention_modules(self) -> list[str]:
+    """The Linen paths of the NNX side's `nnx.MultiHeadAttention` modules left with flax's default
+    `attention_fn` (an abstract fresh model's): what an in-place substitution declares."""
+    side = self.side('nnx')
+    if not hasattr(side, 'create') or not hasattr(side, 'renames'):
+      return []
+    try:
+      with compat.eager_sharding_off():
+        graph = nnx.eval_shape(lambda: getattr(side, '_create', side.create)(self.pair.seed))
+      found = substitutes.instances(graph, substitutes.linen_attention)
+    except Exception:  # pylint: disable=broad-except  (a hint only)
+      return []
+    return [side.renames.to_linen(p.split('/', 1)[1]) for p, state in found.items()
+            if state == 'stock' and p.startswith('0/')]
 
   def dropout_scheme_lines(self, module: str) -> list[str]:
     """Which key scheme each side's dropout uses, when the first differing module is a dropout."""
@@ -304,6 +362,7 @@ class _Runs:
                 ' Linen module names do make the two sums the same']
     return []
 
+  @_raises_once
   @functools.cache
   def compiled(self, side_name: str) -> runner.CompiledStep:
     side = self.side(side_name)
@@ -350,17 +409,47 @@ def compare(pair: adapter.Pair, pass_name: str, a: Mapping[str, Any], b: Mapping
     (seen if ulp <= known.max_ulp else problems).append((line, id(known)))
   seen = [line.replace(_MEASURED, f'{measured[k]} ULP') for line, k in seen]
   problems = [p if isinstance(p, str) else p[0].replace(_MEASURED, f'{measured[p[1]]} ULP') for p in problems]
-  for known in pair.known_differences:
-    if pass_name in known.value_passes:
-      problems += known.refusals(pass_name, measured.get(id(known), 0))
+  refused = [line for known in pair.known_differences if pass_name in known.value_passes
+             for line in known.refusals(pass_name, measured.get(id(known), 0))]
   if problems:
     more = [f'... and {len(problems) - 50} more'] if len(problems) > 50 else []
     raise AssertionError(
         f'{pair.name}: {what} are not bit-identical: {len(problems)} leaf/leaves differ,'
-        f' scalars first (values: {labels[0]} vs {labels[1]})\n  '
-        + '\n  '.join(problems[:50] + more)
+        f' scalars first (values: {labels[0]} vs {labels[1]})'
+        + (f'; and {len(refused)} refusal(s) of the declared bounds, last' if refused else '') + '\n  '
+        + '\n  '.join(problems[:50] + more + refused) + _uncovered_lines(pair, pass_name)
     )
+  if refused:  # no leaf differs beyond the declarations: the declarations are what fails
+    under = (f'the leaves under them differ within the bounds declared: {"; ".join(seen[:3])}'
+             + (f'; ... and {len(seen) - 3} more' if len(seen) > 3 else '')) if seen else 'no leaf differs'
+    raise RefusedDeclaration(
+        f'{pair.name}: {what}: a declared difference is refused ({under}): {refused[0]}'
+        + ''.join(f'\n  {line}' for line in refused[1:]))
   return seen
+
+
+def _uncovered_lines(pair: adapter.Pair, pass_name: str) -> str:
+  """For a part that fails: each declared value bound that does not cover its pass, said so (its
+  substitute runs in the substitution part alone), with the route that runs every part with
+  Linen's formula where the bound is on flax's stock attention."""
+  out = []
+  for known in pair.known_differences:
+    if not known.value_passes or pass_name in known.value_passes or substitutes.in_place(known.substitute):
+      continue
+    line = (f'\n(declared: {known.describe()} bounds {", ".join(repr(p) for p in known.value_passes)} only, so it'
+            f' covers nothing in this part ({pass_name!r}), where the difference reaches too; its substitute runs'
+            ' in the substitution part alone')
+    if any(p.rsplit('/', 1)[-1].startswith(('MultiHeadDotProductAttention', 'SelfAttention')) for p in known.paths):
+      line += ('. For flax\'s stock attention, declare substitute=parity.linen_attention instead (no bound):'
+               ' the kit then gives the NNX model Linen\'s formula in every part (docs/plugin.md, "Stock'
+               ' attention")')
+    out.append(line + ')')
+  return ''.join(out)
+
+
+class RefusedDeclaration(AssertionError):
+  """A part fails on a declared bound it refuses (global, unproven, loose, vacuous), with no leaf
+  differing beyond the declarations: the headline says so, and no localizer runs."""
 
 
 def _is_scalar(d: bitwise.LeafDiff, a: Mapping[str, Any]) -> bool:
@@ -378,6 +467,8 @@ def _with_localization(
     pair: adapter.Pair, error: AssertionError, step: int = 0, init_side: str = 'linen',
     metric_diffs: Sequence[bitwise.LeafDiff] = (), part: str = 'train',
 ) -> AssertionError:
+  if isinstance(error, RefusedDeclaration):  # nothing differs beyond the declarations: nothing to localize
+    return error
   lines = _runs(pair).localization_lines(step, init_side, metric_diffs, part)
   # The finding right after the headline, before the leaves that differ (a list to scroll).
   head, _, leaves = str(error).partition('\n')
@@ -527,8 +618,19 @@ def check_param_specs(pair: adapter.Pair, linen: adapter.Side, nnx_side: adapter
   kinds = (specs_lib.convention(linen_specs, rules, axes), specs_lib.convention(nnx_specs, rules, axes))
   same_paths = set(linen_specs) == set(nnx_specs)
   if not same_paths or kinds[0] == kinds[1] or 'mixed' in kinds or not meshes:
+    # With no rules, a name that is no mesh axis reads as nothing: logical names, with the rules missing.
+    unread = [sorted({name for spec in side.values() for entry in spec
+                      for name in (entry if isinstance(entry, (tuple, list)) else (entry,))
+                      if name is not None} - set(axes)) if not rules else []
+              for side in (linen_specs, nnx_specs)]
+    shown = [f'logical names ({", ".join(names)}), but no rules were given to read them' if names else kind
+             for kind, names in zip(kinds, unread)]
+    advice = ('; give the pair the logical axis rules the annotations are written against:'
+              ' parity.Pair(..., rules=RULES) (the stock sides take rules= too; docs/plugin.md,'
+              ' "Meshes and logical axis rules")') if any(unread) else ''
     raise AssertionError(str(TreeMismatchError(f'{pair.name} parameters specs differ between Linen and NNX'
-                                               f' (Linen annotates with {kinds[0]}, NNX with {kinds[1]})', problems)))
+                                               f' (Linen annotates with {shown[0]}, NNX with {shown[1]}{advice})',
+                                               problems)))
   drift = specs_lib.placement_drift(linen_specs, nnx_specs, kinds, rules, meshes)
   if drift:
     raise AssertionError(str(TreeMismatchError(
@@ -554,10 +656,34 @@ def check_grads(pair: adapter.Pair) -> list[str]:
   for side in runs.sides():
     value, grads = side.value_and_grads(side.from_checkpoint(start), runs.batch(0), key)
     out[side.name] = {'loss': value, **grads}
+  # Gradients that leave parameters out compare the loss alone there, and pass.
+  params = sorted(p for p in start if p.startswith('params/'))
+  for name in ('linen', 'nnx'):
+    uncovered = [p for p in params if p not in out[name]]
+    if uncovered:
+      raise AssertionError(
+          f'{pair.name}: the {name} side\'s value_and_grads gives no gradient for {len(uncovered)} of the'
+          f' {len(params)} parameters ({", ".join(uncovered[:4])}{", ..." if len(uncovered) > 4 else ""}):'
+          ' their gradients would not be compared. It returns (loss, {path: gradient}) for every'
+          ' parameter, in the checkpoint layout (params/...)')
   try:
-    return compare(pair, 'grads', out['linen'], out['nnx'], 'loss and gradients')
+    found = compare(pair, 'grads', out['linen'], out['nnx'], 'loss and gradients')
   except AssertionError as e:
     raise _with_localization(pair, e, part='grads') from None
+  a, b = (distributed.host_arrays(paths.flatten({k: x for k, x in out[s].items() if k != 'loss'}))
+          for s in ('linen', 'nnx'))
+  zero = [p for p in sorted(a) if p in b and np.size(a[p]) and not np.any(a[p]) and not np.any(b[p])]
+  return found + _unproven_line(zero, 'whose gradient is exactly zero on both sides (step 0; the train'
+                                ' part names those no train step moves)')
+
+
+def _unproven_line(params: Sequence[str], what: str) -> list[str]:
+  """A note naming the parameters the numbers did not prove (none: no line)."""
+  if not params:
+    return []
+  shown = ', '.join(params[:20]) + (f', ... and {len(params) - 20} more' if len(params) > 20 else '')
+  return [f'not proven by values: {len(params)} parameter(s) {what}: a bug in what computes them, or in'
+          f' what they feed, changes no number compared here ({shown})']
 
 
 def check_train(pair: adapter.Pair, init_side: str) -> list[str]:
@@ -565,12 +691,19 @@ def check_train(pair: adapter.Pair, init_side: str) -> list[str]:
   runs = _runs(pair)
   (ma, fa, _), (mb, fb, _) = (runs.trajectory(s, init_side) for s in ('linen', 'nnx'))
   try:
-    return compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
-                   f'{pair.steps} train steps from {init_side} init (train metrics, final state)')
+    found = compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
+                    f'{pair.steps} train steps from {init_side} init (train metrics, final state)')
   except AssertionError as e:
     step = first_divergent_step(ma, mb)
     metric_diffs = bitwise.compare_trees(dict(ma[step]), dict(mb[step]))
     raise _with_localization(pair, e, step, init_side, metric_diffs) from None
+  start = runs.start(init_side)
+  params = [p for p in sorted(start) if p.startswith('params/') and p in fa and p in fb]
+  start, a, b = (distributed.host_arrays({p: f[p] for p in params}) for f in (start, fa, fb))
+  still = [p for p in params if bitwise.compare_leaves(p, start[p], a[p]) is None
+           and bitwise.compare_leaves(p, start[p], b[p]) is None]
+  return found + _unproven_line(still, f'that {pair.steps} train step(s) leave bit for bit as they started, on'
+                                ' both sides (their gradients zero on every step, or the optimizer leaves them)')
 
 
 # The init part's bound: the two sides draw their random initialisers from different
@@ -747,6 +880,8 @@ def check_mesh(pair: adapter.Pair, mesh_spec: str) -> list[str]:
   try:
     found = compare(pair, 'train', {**per_step(ma), **fa}, {**per_step(mb), **fb},
                     f'{pair.steps} train steps on mesh {mesh_spec}')
+  except RefusedDeclaration:  # nothing differs beyond the declarations: nothing to localize
+    raise
   except AssertionError as e:
     # Localised on the mesh, where the difference shows: the first module whose output or
     # gradient differs there, and each module whose constraints place intermediates otherwise.
@@ -843,7 +978,38 @@ def check_memory(pair: adapter.Pair) -> list[str]:
          f' (beyond the declared memory difference: temporaries and peak within'
          f' {known.max_temp_bytes:,} B each, everything else equal)')
       + (f'; in the programs, {growth}' if growth else '')
+      + _memory_cause(pair, linen, nnx_, mem)
   )
+
+
+def _memory_cause(pair: adapter.Pair, linen: runner.CompiledStep, nnx_: runner.CompiledStep,
+                  mem: Sequence[Mapping[str, Any]]) -> str:
+  """The likely cause of a memory difference, from the program comparison (the program part's
+  finding): XLA's memory follows the program, so a program that differs is named with where it
+  parts; a declared program difference that holds, with the memory declaration it lacks; the
+  same program, as such."""
+  try:
+    d = runner.program_diff_of(linen, nnx_)
+  except Exception as e:  # pylint: disable=broad-except  (a hint only: the failure stands without it)
+    return f'\nlikely cause: not found (the programs could not be compared: {type(e).__name__}: {e})'
+  if d.identical:
+    return ('\nlikely cause: none in the programs, which are identical (the program part passes): XLA lays'
+            ' out the same computation otherwise' + (f' ({d.loop_order})' if d.loop_order else ''))
+  known = pair.program_difference()
+  if known is not None and 'program' in known.passes and 'memory' not in known.passes:
+    outside = runner.program_diff_of(linen, nnx_, tuple(known.paths))
+    state_equal = not runner.memory_drift(*mem, exclude=runner.LAYOUT_MOVE_MEMORY)
+    if known.admits_program(d, outside) and state_equal:
+      moved = max(abs(mem[1][f] - mem[0][f]) for f in runner.LAYOUT_MOVE_MEMORY)
+      return (f'\nlikely cause: the declared program difference ({", ".join(known.paths)}: {known.reason}), which'
+              ' holds (the programs are identical outside those modules): a lowering that differs places its'
+              " temporaries otherwise. If so, declare 'memory' beside 'program' in it, with the bytes measured:"
+              f" passes={tuple(known.passes) + ('memory',)!r}, max_temp_bytes={moved}")
+  return ('\nlikely cause: the train steps\' programs differ, and XLA\'s memory follows the program. The'
+          f' program part\'s finding: {d.summary(loop_growth=False)}'
+          + ''.join(f'\n  {line}' for line in d.parting_lines())
+          + '\n(the program part names what differs, with the declaration to write where flax\'s stock layers'
+          ' explain it)')
 
 
 def check_program(pair: adapter.Pair) -> list[str]:
@@ -864,6 +1030,16 @@ def check_program(pair: adapter.Pair) -> list[str]:
   if known is not None and known.admits_program(d, outside):
     loose = known.loose_structure('program', d.changed_lines)
     assert not loose, f'{pair.name}: {loose}'
+    changed = _numbers_part(pair, runs, d).value_changes
+    if changed:  # raised, not asserted: pytest would rewrite the lines of an assert's message
+      raise AssertionError(
+          f'{pair.name}: the programs differ within the declared bound ({d.changed_lines} canonical lines,'
+          f' {", ".join(known.paths)}: {known.reason}), but inside those modules a constant or an operation'
+          ' differs, which a program declaration never covers: it declares a lowering with the same numbers'
+          ' (a value reshaped otherwise), not other numbers. Where they part:\n  '
+          + '\n  '.join(changed[:10]) + (f'\n  ... ({len(changed) - 10} more)' if len(changed) > 10 else '')
+          + '\nA bug in those modules; or, where their numbers differ by design, a value bound on them with its'
+          ' substitution (docs/plugin.md, "A value bound is proven and tight")')
     return [f'{d.changed_lines} canonical lines (declared bound {known.max_changed_lines},'
             f' {", ".join(known.paths)}: {known.reason}); identical outside those modules']
   if known is None or d.changed_lines > known.max_changed_lines:
@@ -875,15 +1051,29 @@ def check_program(pair: adapter.Pair) -> list[str]:
         f'{pair.name}: {d.summary()}'
         + (_suggested_declaration(pair, runs, d) if known is None else
            f' (declared bound {known.max_changed_lines} lines in {", ".join(known.paths)}:'
-           f' {known.reason}{where})')
+           f' {known.reason}{where})'
+           + ('' if outside.identical else _suggested_declaration(pair, runs, d, known)))
         + ''.join(f'\n{line}' for line in d.parting_lines()) + f'\n{d.diff}'
     )
   raise AssertionError(
       f'{pair.name}: the programs differ outside the modules declared ({", ".join(known.paths)}):'
       f' {outside.summary()} (their operations left out; an NNX side names its module calls'
-      f' for this, parity/compare/scopes.py)' + ''.join(f'\n{line}' for line in outside.parting_lines())
-      + f'\n{outside.diff}'
+      f' for this, parity/compare/scopes.py)' + _suggested_declaration(pair, runs, d, known)
+      + ''.join(f'\n{line}' for line in outside.parting_lines()) + f'\n{outside.diff}'
   )
+
+
+def _numbers_part(pair: adapter.Pair, runs: _Runs, d: programs.ProgramDiff,
+                  left_out: tuple[str, ...] = ()) -> programs.ProgramDiff:
+  """The program diff `d`, with the operations of `left_out` and of the modules whose numbers are
+  proven to differ left out (a 'forward' value bound with its substitution, the only kind of
+  declaration that lets a constant or an operation differ): its `value_changes` are where the
+  numbers part elsewhere."""
+  proven = tuple(p for known in pair.known_differences if known.substitute is not None
+                 and not substitutes.in_place(known.substitute)  # applied in place: Linen's numbers
+                 and 'forward' in known.value_passes for p in known.paths)
+  modules = tuple(dict.fromkeys(left_out + proven))
+  return d if not modules else runner.program_diff_of(runs.compiled('linen'), runs.compiled('nnx'), modules)
 
 
 # flax's stock layers whose Linen and NNX versions lower otherwise (the same numbers): the
@@ -892,18 +1082,71 @@ STOCK_LOWERINGS = ('LayerNorm', 'BatchNorm', 'GroupNorm', 'RMSNorm', 'MultiHeadD
                    'SelfAttention')
 
 
-def stock_attention_lines(module: str) -> list[str]:
-  """Why flax's stock attention differs in its default formula, and the fix."""
-  return [f"{module} is flax's stock attention: Linen's divides the query by sqrt(head_dim) before"
-          " q.k, nnx.MultiHeadAttention's default (jax.nn.dot_product_attention) multiplies the logits"
-          ' by 1/sqrt(head_dim) after it, other rounding unless head_dim is a power of 4. Give the NNX'
-          ' module Linen\'s formula (attention_fn=parity.linen_attention); to keep the stock one, declare'
-          ' the difference with that as its substitute (docs/plugin.md, "A value bound is proven and tight")']
+def stock_attention_lines(module: str, modules: Sequence[str] = ()) -> list[str]:
+  """Why flax's stock attention differs, and the route that passes with no change to the model:
+  the in-place substitution, declared for `modules` (every stock attention of the NNX model,
+  by Linen path; `module` alone where they are not known)."""
+  modules = tuple(modules) or (module,)
+  declaration = (f'parity.KnownDifference({modules!r}, (\'forward\',), "flax\'s stock attention:'
+                 f' nnx.MultiHeadAttention\'s default formula rounds otherwise than Linen\'s",'
+                 ' substitute=parity.linen_attention)')
+  return [f"{module} is flax's stock attention. With dropout_rate 0, nnx.MultiHeadAttention's default calls"
+          ' jax.nn.dot_product_attention, which multiplies the logits by 1/sqrt(head_dim) after q.k and lays'
+          " its contractions out otherwise; Linen's divides the query by sqrt(head_dim) before q.k. Its"
+          ' outputs and gradients can differ at any head_dim, a power of 4 too (docs/plugin.md, "Stock'
+          ' attention", has the figures); with a dropout rate above 0 NNX computes Linen\'s formula itself.'
+          " To keep the model as it is, declare the difference with the kit's stand-in as its substitute:"
+          " the kit then gives every stock nnx.MultiHeadAttention of the NNX model Linen's formula in every"
+          ' part, and compares them bit for bit:',
+          f'  {declaration}',
+          '(the declaration names every one of them; or give the NNX modules attention_fn=parity.linen_attention'
+          ' in the model yourself, and declare nothing)']
 
 
-def _suggested_declaration(pair: adapter.Pair, runs: _Runs, d: programs.ProgramDiff) -> str:
+def _stock_types() -> dict[str, tuple[type, type]]:
+  """flax's stock layers of STOCK_LOWERINGS by their Linen class's name: (that Linen class, its
+  NNX counterpart). A project's own class of the same name is none of them."""
+  types = {'LayerNorm': (nn.LayerNorm, nnx.LayerNorm), 'BatchNorm': (nn.BatchNorm, nnx.BatchNorm),
+           'GroupNorm': (nn.GroupNorm, nnx.GroupNorm), 'RMSNorm': (nn.RMSNorm, nnx.RMSNorm),
+           'MultiHeadDotProductAttention': (nn.MultiHeadDotProductAttention, nnx.MultiHeadAttention),
+           'SelfAttention': (getattr(nn, 'SelfAttention', None), nnx.MultiHeadAttention)}
+  return {name: classes for name, classes in types.items() if name in STOCK_LOWERINGS and classes[0] is not None}
+
+
+def _nnx_modules(runs: _Runs, linen_paths: Sequence[str]) -> dict[str, Any]:
+  """The NNX side's modules at `linen_paths` (Linen paths, through its renames), in a fresh model;
+  a path whose module is not found there is left out (so is every one, for a side of your own)."""
+  side = runs.side('nnx')
+  if not hasattr(side, 'create') or not hasattr(side, 'renames'):
+    return {}
+  try:
+    with compat.eager_sharding_off():
+      model = side.create(runs.pair.seed)[0]
+  except Exception:  # pylint: disable=broad-except  (a hint only)
+    return {}
+  found = {}
+  for path in linen_paths:
+    node = model
+    try:
+      for name in filter(None, side.renames.to_nnx(path).split('/')):
+        node = node[int(name)] if name.isdigit() else getattr(node, name)
+    except Exception:  # pylint: disable=broad-except
+      continue
+    found[path] = node
+  return found
+
+
+def _suggested_declaration(pair: adapter.Pair, runs: _Runs, d: programs.ProgramDiff,
+                           declared: adapter.KnownDifference | None = None) -> str:
   """Where the programs are identical once the fewest kinds of flax's stock layers that lower
-  otherwise are left out: the declaration to write, its bound measured ('' where none does)."""
+  otherwise are left out (beside the modules `declared` already): the declaration to write, its
+  bound measured, and the lines that differ there ('' where none does).
+
+  A module counts as flax's stock layer only where it is flax's class itself on both sides (a
+  project's own `RMSNorm` is not flax's). Offered only where the lines that differ there reshape
+  the same values otherwise (the same numbers); where a constant or an operation differs, it
+  says so and offers nothing.
+  """
   linen_side = runs.side('linen')
   if not hasattr(linen_side, 'loss'):
     return ''
@@ -912,15 +1155,22 @@ def _suggested_declaration(pair: adapter.Pair, runs: _Runs, d: programs.ProgramD
                                    runs.dropout_base())
   except Exception:  # pylint: disable=broad-except  (a hint only: the failure stands without it)
     return ''
-  by_class: dict[str, list[str]] = {}
+  stock = _stock_types()
+  base = tuple(declared.paths) if declared is not None else ()
+  candidates: dict[str, list[str]] = {}
   for call in calls:
-    if call.cls in STOCK_LOWERINGS and call.key == call.path and call.path not in by_class.get(call.cls, []):
-      by_class.setdefault(call.cls, []).append(call.path)
+    if (call.cls in stock and call.module_type is stock[call.cls][0] and call.key == call.path
+        and call.path not in base and call.path not in candidates.get(call.cls, [])):
+      candidates.setdefault(call.cls, []).append(call.path)
+  found = _nnx_modules(runs, [p for paths in candidates.values() for p in paths])
+  by_class = {cls: [p for p in paths if p in found and type(found[p]) is stock[cls][1]]
+              for cls, paths in candidates.items()}
+  by_class = {cls: paths for cls, paths in by_class.items() if paths}
   linen, nnx_ = runs.compiled('linen'), runs.compiled('nnx')
 
   def identical_without(classes) -> bool:
     modules = tuple(p for c in classes for p in by_class[c])
-    return bool(modules) and runner.program_diff_of(linen, nnx_, modules).identical
+    return bool(modules) and runner.program_diff_of(linen, nnx_, base + modules).identical
 
   kept = sorted(by_class)
   if not identical_without(kept):
@@ -929,14 +1179,34 @@ def _suggested_declaration(pair: adapter.Pair, runs: _Runs, d: programs.ProgramD
     if len(kept) > 1 and identical_without([c for c in kept if c != cls]):
       kept.remove(cls)
   modules = [p for c in kept for p in by_class[c]]
-  return (
-      f'\nthe programs are identical outside flax\'s stock {", ".join(kept)} ({len(modules)} modules),'
-      ' whose Linen and NNX versions lower otherwise: if that is the only difference, declare it'
-      ' (and check the memory part):\n'
-      f'  parity.KnownDifference({tuple(modules)!r}, (\'program\',), max_changed_lines={d.changed_lines},'
-      f' reason="flax\'s stock {", ".join(kept)} {"lowers" if len(kept) == 1 else "lower"} differently in Linen'
-      ' and NNX (same numbers)")'
-  )
+  where = (f'{"the modules declared and " if base else ""}flax\'s stock {", ".join(kept)} ({len(modules)}'
+           f' module{"s" if len(modules) != 1 else ""})')
+  inside = _numbers_part(pair, runs, d, base)  # what differs, all inside those modules
+  if inside.value_changes or not inside.reshapes:
+    shown = inside.value_changes[:6] + ([f'... ({len(inside.value_changes) - 6} more)']
+                                        if len(inside.value_changes) > 6 else [])
+    what = ('a constant or an operation differs, which no lowering of the same numbers explains'
+            if inside.value_changes else 'no line that differs reads as a reshape of the same values')
+    return (f'\nthe programs are identical outside {where}, but there {what}: no declaration to offer (a bug'
+            ' in those modules; or numbers that differ by design, declared as a value bound with its'
+            ' substitution)' + ''.join(f'\n  {line}' for line in shown))
+  shown = inside.reshapes[:6] + ([f'... ({len(inside.reshapes) - 6} more)'] if len(inside.reshapes) > 6 else [])
+  kinds = f'flax\'s stock {", ".join(kept)} {"lowers" if len(kept) == 1 else "lower"} differently in Linen and NNX'
+  if declared is None:
+    declaration = (f'parity.KnownDifference({tuple(modules)!r}, (\'program\',), max_changed_lines={d.changed_lines},'
+                   f' reason="{kinds} (same numbers)")')
+    advice = 'if that is the only difference, declare it (and check the memory part)'
+  else:
+    temp = f', max_temp_bytes={declared.max_temp_bytes}' if declared.max_temp_bytes else ''
+    reason = f'{declared.reason}; {kinds} (same numbers)'
+    declaration = (f'parity.KnownDifference({base + tuple(modules)!r}, {tuple(declared.passes)!r},'
+                   f' max_changed_lines={d.changed_lines}{temp}, reason={reason!r})')
+    advice = ('if that is the only difference, declare them with the modules declared, in place of the'
+              ' pair\'s program declaration (the program part reads one; and check the memory part)')
+  return (f'\nthe programs are identical outside {where}, whose Linen and NNX versions (flax\'s own classes'
+          ' on both sides) lower otherwise;'
+          ' the lines that differ there reshape the same values otherwise (the same numbers):'
+          + ''.join(f'\n  {line}' for line in shown) + f'\n{advice}:\n  {declaration}')
 
 
 def check_localize(pair: adapter.Pair) -> list[str]:
@@ -1012,16 +1282,22 @@ def _nnx_only_calls(nnx_side: adapter.Side, keys: Sequence[str]) -> list[str]:
 def check_substitution(pair: adapter.Pair) -> list[str]:
   """Each declared value bound, proven confined: with its `substitute` sides (the difference
   removed), the pair's value parts (grads, train from Linen, eval, localize) are bit for bit,
-  with no value bound declared; so the declared modules are the only source."""
+  with no value bound declared; so the declared modules are the only source. A stand-in the
+  kit applies in place (parity.linen_attention) is in every part already: the line names the
+  modules given it."""
   __tracebackhide__ = _battery_frames_hidden
   lines = []
   for known in pair.known_differences:
     if not known.value_passes:
       continue
+    if substitutes.in_place(known.substitute):
+      lines += _in_place_lines(pair, known)
+      continue
     if known.substitute is None:
       unproven = [r for r in known.refusals(known.value_passes[0], 0) if 'no substitution' in r]
       raise AssertionError(f'{pair.name}: ' + unproven[0])
-    rest = tuple(d for d in pair.known_differences if not d.value_passes)
+    # In-place stand-ins stay: they are no bound, and every part runs with them.
+    rest = tuple(d for d in pair.known_differences if not d.value_passes or substitutes.in_place(d.substitute))
     substituted = dataclasses.replace(pair, name=f'{pair.name} (substituted: {", ".join(known.paths)})',
                                       make_sides=known.substitute, known_differences=rest, parts=None)
     try:
@@ -1041,6 +1317,17 @@ def check_substitution(pair: adapter.Pair) -> list[str]:
                  f'{" and decoding" if substituted.decode is not None else ""} are bit for bit: the declared'
                  ' modules are the only source')
   return lines
+
+
+def _in_place_lines(pair: adapter.Pair, known: adapter.KnownDifference) -> list[str]:
+  """What an in-place substitution did: the modules the kit gave its stand-in (make_pair_sides
+  has checked they are exactly the declared ones), under which every part compares bit for bit."""
+  side = _runs(pair).side('nnx')
+  given = [p for p, state in side.substituted_modules()[known.substitute.__name__].items() if state == 'substituted']
+  cls, attribute, _ = substitutes.IN_PLACE[known.substitute]
+  assert given, f'{pair.name}: {known.describe()} was given to no module'  # make_pair_sides refuses it first
+  return [f'{", ".join(given)}: {cls.__name__} given {attribute}=parity.{known.substitute.__name__} by the kit in'
+          f' every part (no model edited: {known.reason}); their values are compared bit for bit']
 
 
 def _decode_localized(pair: adapter.Pair, sides, states, prompt, steps: int, key, temperature) -> list[str]:
@@ -1089,6 +1376,8 @@ def check_decode(pair: adapter.Pair, placement: str) -> list[str]:
             compare(pair, 'decode', {what: a}, {what: b},
                     f'decoded {what} ({"greedy" if temperature == 0 else f"temperature {temperature}"},'
                     f' {placement}; first differing decode step: {first} of {spec.steps})')
+          except RefusedDeclaration:
+            raise
           except AssertionError as e:
             located = _decode_localized(pair, (linen, nnx_side), states, prompt, spec.steps, key, temperature)
             raise AssertionError('\n  '.join([str(e)] + located)) from None

@@ -12,3 +12,11 @@ PARTS = (
 # (parity.pairs.adapter.VALUE_PASSES), decoding (`Pair(decode=...)`); parity/battery/plugin.py.
 ONE_DEVICE = 'one_device'  # the decode part's placement off any mesh
 DIRECTIONS = ('linen->linen', 'linen->nnx', 'nnx->linen', 'nnx->nnx')
+
+# Under xdist a pair's parts run as two groups, each on one worker: the parts that train
+# (one compiled train step per side, shared by train, eval, checkpoints, resume, convert,
+# mesh, memory and program) and the parts with programs of their own (the gradients, the
+# localizer's probes, activation specs, substitution, decoding). Neither compiles what the
+# other compiles, so a single pair's battery uses two cores.
+OWN_PROGRAM_PARTS = ('specs', 'grads', 'localize', 'substitution', 'decode')
+OWN_PROGRAM_GROUP = '/own-programs'  # the suffix of their group's name

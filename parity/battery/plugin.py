@@ -11,8 +11,10 @@ battery (parity/battery/checks.py): structure, logical specs, each side's own
 initialisers (in distribution), loss and gradients,
 training from each side's init, eval, checkpoints in four directions,
 resume across sides, sharded training per mesh, memory and program parity,
-and the divergence localizer. All tests of a pair share one xdist group, so
-under `pytest -n auto --dist loadgroup` one worker compiles each function once.
+and the divergence localizer. A pair's tests form two xdist groups (parts that
+train, parts with programs of their own: parity/battery/parts.py), so under
+`pytest -n auto --dist loadgroup` one pair uses two workers and no function is
+compiled by both.
 
 Options: `--parity-parts=grads,train` runs only those parts;
 `--parity-mesh=data=2,tensor=4` replaces every pair's meshes.
@@ -36,7 +38,7 @@ import sys
 import pytest
 
 from parity.env import map_limit  # imports no jax
-from parity.battery.parts import DIRECTIONS, ONE_DEVICE, PARTS  # neither
+from parity.battery.parts import DIRECTIONS, ONE_DEVICE, OWN_PROGRAM_GROUP, OWN_PROGRAM_PARTS, PARTS  # neither
 
 # Nothing here imports jax when pytest loads the plugin: a project's conftest
 # sets XLA flags and jax's environment (compilation cache, platforms) first.
@@ -102,7 +104,9 @@ def pytest_configure_node(node):
 
 def pytest_report_header(config):
   if config.stash.get(_LOADGROUP_APPLIED, False):
-    return ['parity: --dist loadgroup (each pair\'s tests on one worker; give --dist to choose another)']
+    return ['parity: --dist loadgroup (a pair\'s parts that train on one worker, those with programs of their'
+            ' own on another; a worker fails them if the grouping did not take effect; give --dist to choose'
+            ' another)']
   return None
 
 
@@ -202,18 +206,35 @@ def pytest_runtest_teardown(item, nextitem):
   _MAP_GUARD.after_test()
 
 
+_CRASHES: dict[tuple, str] = {}  # (pair, error type, message) -> the first test that raised it
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_pyfunc_call(pyfuncitem):
   """A battery test that ends in the kit's answer to the pair as declared (modules it cannot
-  pair) fails with that answer alone: the kit's frames say nothing more to its user."""
+  pair), or in a run that already failed in an earlier part, fails with that answer alone:
+  the kit's frames say nothing more to its user."""
   try:
     return (yield)
-  except ValueError as error:
-    correspond = sys.modules.get('parity.pairs.correspond')  # loaded by whatever raised it
-    if correspond is None or not isinstance(error, correspond.CorrespondenceError) or not isinstance(
-        pyfuncitem.instance, _Battery):
+  except Exception as error:
+    checks = sys.modules.get('parity.battery.checks')  # loaded by whatever raised these
+    correspond = sys.modules.get('parity.pairs.correspond')
+    if checks is not None and isinstance(error, checks.EarlierFailure):
+      message = str(error)  # the first part that needed the run shows its traceback
+    elif isinstance(pyfuncitem.instance, _Battery) and not isinstance(error, AssertionError):
+      # A crash (not a finding) that an earlier part of the pair raised alike: one line.
+      key = (pyfuncitem.instance.pair.name, type(error), str(error))
+      first = _CRASHES.setdefault(key, pyfuncitem.nodeid)
+      if first == pyfuncitem.nodeid:
+        raise
+      line = str(error).splitlines()[0] if str(error) else ''
+      message = (f'{pyfuncitem.instance.pair.name}: raised as in {first}, whose report shows the'
+                 f' traceback: {type(error).__name__}{": " + line if line else ""}')
+    elif (correspond is not None and isinstance(error, correspond.CorrespondenceError)
+          and isinstance(pyfuncitem.instance, _Battery)):
+      message = f'{pyfuncitem.instance.pair.name}: {error}'
+    else:
       raise
-    message = f'{pyfuncitem.instance.pair.name}: {error}'
   pytest.fail(message, pytrace=False)  # outside the handler: the error is not printed twice
 
 
@@ -303,10 +324,11 @@ class PairClass(pytest.Class):
       wanted.discard('substitution')  # nothing to substitute
     if pair.decode is None:
       wanted.discard('decode')
+    group = self.obj.pair.group or f'parity-{self.obj.pair.name}'
     for item in super().collect():
       part = item.name.split('[')[0][len('test_'):]
       if part in wanted:
-        item.add_marker(pytest.mark.xdist_group(self.obj.pair.group or f'parity-{self.obj.pair.name}'))
+        item.add_marker(pytest.mark.xdist_group(group + (OWN_PROGRAM_GROUP if part in OWN_PROGRAM_PARTS else '')))
         yield item
 
 

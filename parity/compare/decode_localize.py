@@ -30,8 +30,9 @@ from parity.pairs import adapter
 class _PerModelCall:
   """Hands each model call (an outermost module call) a recorder of its own; records eagerly."""
 
-  def __init__(self, call_key: Callable[[str], str]):
+  def __init__(self, call_key: Callable[[str], str], to_nnx: Callable[[str], str] | None = None):
     self.call_key = call_key
+    self.to_nnx = to_nnx  # an NNX side's: a Linen module path -> NNX's (its calls named both ways)
     self.recorders: list[localize.Recorder] = []
     self.depth = 0
 
@@ -49,9 +50,11 @@ class _PerModelCall:
     yield  # eager: transformed bodies run as Python, their calls recorded as any other
 
   def probes(self) -> list[adapter.Probe]:
-    return [adapter.Probe(order=list(r.order), inputs=dict(r.inputs), outputs=localize.flat_outputs(r.outputs),
-                          cotangents={}, param_grads={}, unrecorded=r.unrecorded_calls())
-            for r in self.recorders]
+    return [localize.RecordedProbe(
+        order=list(r.order), inputs=dict(r.inputs), outputs=localize.flat_outputs(r.outputs),
+        cotangents={}, param_grads={}, unrecorded=r.unrecorded_calls(),
+        nnx_names={} if self.to_nnx is None else localize.nnx_names(r.order, r.root.made_as, self.to_nnx))
+        for r in self.recorders]
 
 
 def linen_decode_calls(decode: Callable[[], Any]) -> list[adapter.Probe]:
@@ -63,11 +66,13 @@ def linen_decode_calls(decode: Callable[[], Any]) -> list[adapter.Probe]:
 
 
 def nnx_decode_calls(model: nnx.Module, decode: Callable[[nnx.Module], Any], rename: Callable[[str], str],
-                     call_key: Callable[[str], str] = lambda key: key) -> list[adapter.Probe]:
+                     call_key: Callable[[str], str] = lambda key: key,
+                     to_nnx: Callable[[str], str] = lambda path: path) -> list[adapter.Probe]:
   """The module calls of `decode(model)` (an NNX side's decode, run eagerly), named by
   `rename` (NNX path -> Linen's) and `call_key` (a repeated call's key -> Linen's), one
-  probe per model call."""
-  recorder = _PerModelCall(call_key)
+  probe per model call; each call's NNX name kept where it differs (`to_nnx`, `rename`'s
+  inverse: the localizer names both)."""
+  recorder = _PerModelCall(call_key, to_nnx)
   with jax.disable_jit(), compat.eager_sharding_off(), localize.nnx_intercept(model, recorder, rename):
     decode(model)
   return recorder.probes()
@@ -105,8 +110,9 @@ class DecodeLocalization:
   def _where(self) -> str:
     found = self.found
     detail = found.details.get(found.forward_call, '')
-    where = (f'inside module {found.forward}, outside its submodules (the input of {found.forward_call}'
-             f' differs)' if found.forward_inside else f'at module {found.forward}')
+    where = (f'inside module {found._module(found.forward)}, outside its submodules (the input of'
+             f' {found._call(found.forward_call)} differs)' if found.forward_inside
+             else f'at module {found._module(found.forward)}')
     if not found.forward_inside and '#' in found.forward_call:  # a repeated call: a scanned stack's layer, say
       where += f' (its call {int(found.forward_call.rsplit("#", 1)[1]) + 1} in that model call)'
 

@@ -104,6 +104,9 @@ class _Frame:
     self.order: list[str] = []  # the calls as they return
     self.events: list[tuple[str, str]] = []  # ('call' | 'return', key) in execution order
     self.callers: dict[str, str] = {}  # key -> the recorded call under way when it started
+    # key -> the call as it was made, where `call_key` named it otherwise (an NNX call's own
+    # name, its path renamed into Linen's: `dropout#1` for Linen's `Dropout_1`)
+    self.made_as: dict[str, str] = {}
 
 
 class _Bodies:
@@ -202,7 +205,10 @@ class Recorder:
     n = self._calls.get(key, 0)
     self._calls[key] = n + 1
     name = _call_name(path, call.method)
-    key = self._key(self.call_key(name if n == 0 else f'{name}#{n}'))
+    made = name if n == 0 else f'{name}#{n}'
+    key = self._key(self.call_key(made))
+    if self._key(made) != key:
+      frame.made_as[key] = self._key(made)
     self.recorded_paths.add(path or ROOT)
     frame.events.append(('call', key))
     named = call.named()
@@ -280,6 +286,7 @@ class Recorder:
     own = set(body.order)  # a caller outside the body has no mark of this scan
     parent.callers.update({_expand(k, i): _expand(c, i) if c in own else c
                            for i in order for k, c in body.callers.items()})
+    parent.made_as.update({_expand(k, i): _expand(m, i) for i in order for k, m in body.made_as.items()})
     for got, into in ((outputs, parent.outputs), (inputs, parent.inputs)):
       for k, v in got.items():
         into.update({_expand(k, i): jax.tree.map(lambda a: a[i], v) for i in range(layers)})
@@ -311,6 +318,7 @@ class Recorder:
       parent.order += frames[0].order
       parent.events += frames[0].events
       parent.callers.update(frames[0].callers)
+      parent.made_as.update(frames[0].made_as)
       parent.outputs.update(outputs)
       parent.inputs.update(inputs)
       return out
@@ -505,7 +513,22 @@ def nnx_probe(
       traced, seen, params, (rest, batch, dropout_key),
       lambda p: {name(k): to_linen(k[2:], g) for k, g in paths.flatten(p).items()},
   )
-  return dataclasses.replace(probe, unrecorded=tuple(call_key(u) for u in probe.unrecorded))
+  to_nnx = getattr(renames, 'to_nnx', lambda path: path)
+  return dataclasses.replace(probe, unrecorded=tuple(call_key(u) for u in probe.unrecorded),
+                             nnx_names=nnx_names(probe.order, seen[0].root.made_as, to_nnx))
+
+
+def nnx_names(keys, made_as: dict[str, str], to_nnx: Callable[[str], str]) -> dict[str, str]:
+  """Of the NNX calls recorded under Linen's `keys`, each one's NNX name where it is not the
+  Linen one: the call as it was made (`made_as`), its module path renamed back to NNX's
+  (`to_nnx`, the pair's renames: Linen's `LayerNorm_1` is NNX's `ln2`)."""
+  out = {}
+  for key in keys:
+    module, suffix = _split_call(made_as.get(key, key))
+    own = (module if module == ROOT else to_nnx(module)) + suffix
+    if own != key:
+      out[key] = own
+  return out
 
 
 # ---------------------------------------------------------------------------
@@ -547,11 +570,14 @@ class RecordedProbe(adapter.Probe):
   `events`, ('call' | 'return', key) in execution order (a call's arguments are compared
   as it starts); `callers`, each call's caller (the module whose code made its arguments);
   `stacked`, each opened stack's path -> the parameters its scan slices by layer on axis 0
-  (their gradients are compared layer by layer in the backward pass)."""
+  (their gradients are compared layer by layer in the backward pass); `nnx_names`, an NNX
+  probe's calls by their NNX names, keyed by Linen's, where the two differ (`nnx_probe`)."""
 
   events: list[tuple[str, str]] = dataclasses.field(default_factory=list)
   callers: dict[str, str] = dataclasses.field(default_factory=dict)
   stacked: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  # An NNX probe's: each call's NNX name (module path and call) where Linen names it otherwise.
+  nnx_names: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------
@@ -584,6 +610,21 @@ class Localization:
   # With `forward_inside`: the argument of `forward_call` that differs (its name in the
   # method's signature, Linen's), made by `forward`'s code.
   forward_argument: str | None = None
+  # Linen call key -> the NNX name of the same call, where they differ (RecordedProbe.nnx_names):
+  # the lines name a module by both sides' paths, `LayerNorm_1 (NNX: ln2)`.
+  nnx_names: dict[str, str] = dataclasses.field(default_factory=dict)
+
+  def _call(self, key: str) -> str:
+    """A call's key, with its NNX name after it where that differs."""
+    own = self.nnx_names.get(key)
+    return key if own is None else f'{key} (NNX: {own})'
+
+  def _module(self, module: str) -> str:
+    """A module's Linen path, with its NNX path after it where that differs (read off its
+    first call found, `__call__` first)."""
+    calls = [module] + [k for k in self.nnx_names if k != module and _module_of(k) == module]
+    own = next((_module_of(self.nnx_names[k]) for k in calls if k in self.nnx_names), None)
+    return module if own is None or own == module else f'{module} (NNX: {own})'
 
   def first(self, step: int | None = None) -> dict[str, Any] | None:
     """The first divergent module: `{step, path, layer, pass, max_ulp}` (None: none found).
@@ -622,27 +663,28 @@ class Localization:
       )
     elif self.forward is not None and self.forward_inside and self.forward_unrecorded:
       out.append(
-          f'forward pass: inside module {self.forward}: the input of {self.forward_call} differs'
+          f'forward pass: inside module {self._module(self.forward)}: the input of'
+          f' {self._call(self.forward_call)} differs'
           f' while every earlier recorded call agrees ({self.details[self.forward_call]}); it arose'
           f' in a call not recorded there, {_shown(self.forward_unrecorded)} (inside a transformed'
           f' body), or in {self.forward}\'s own code between its submodules'
       )
     elif self.forward is not None and self.forward_inside:
       out.append(
-          f'forward pass: inside module {self.forward}, outside its submodules: the input of'
-          f' {self.forward_call} differs while every earlier call agrees'
+          f'forward pass: inside module {self._module(self.forward)}, outside its submodules: the'
+          f' input of {self._call(self.forward_call)} differs while every earlier call agrees'
           f' ({self.details[self.forward_call]})'
       )
     elif self.forward is not None:
       method = _method_of(self.forward_call)
-      shown = f'module {self.forward}' + (f', in its method {method}' if method else '')
+      shown = f'module {self._module(self.forward)}' + (f', in its method {method}' if method else '')
       out.append(f'forward pass: first differs at {shown} ({self.details[self.forward_call]})')
     else:
       out.append('forward pass: every module output bitwise equal')
     for module, params in self.backward:
       shown = ', '.join(f'{p} ({self.details[p]})' for p in params)
       out.append(
-          f'backward pass: inside module {module}: output cotangent bitwise equal,'
+          f'backward pass: inside module {self._module(module)}: output cotangent bitwise equal,'
           f' gradients differ: {shown}'
       )
     if not self.backward:
@@ -651,7 +693,8 @@ class Localization:
     if self.order_difference is not None:
       i, a, b = self.order_difference
       out.append(f'module calls in another order: call {i} of those on both sides is {a} in Linen,'
-                 f' {b} in NNX (a rename rule that maps an NNX module to another Linen path reads so)')
+                 f' {self._call(b)} in NNX (a rename rule that maps an NNX module to another Linen path'
+                 ' reads so)')
     if self.unrecorded:
       out.append(f'not recorded: module calls inside a transformed body (Linen nn.scan, nn.remat;'
                  f' NNX nnx.scan, nnx.remat, ...), whose values cannot leave it:'
@@ -843,6 +886,7 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       unrecorded=unrecorded,
       forward_unrecorded=_outermost_inside(forward, unrecorded) if inside else (),
       forward_argument=argument[0] if argument is not None else None,
+      nnx_names=dict(getattr(nnx_probe, 'nnx_names', None) or {}),
   )
 
 

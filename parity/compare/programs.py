@@ -1225,6 +1225,12 @@ class ProgramDiff:
   arguments_only_nnx: list[str] = dataclasses.field(default_factory=list)
   # Where they differ: a loop carrying its counterpart's values and more (`loop_carry_growth`).
   loop_growth: str = ''
+  # Of every operation where the programs part (`_parting`, all of them, `Linen: ...` / `NNX: ...`):
+  # those that change values (`value_changes`: a constant, an operation other than a reshape
+  # of a value the other side reshapes alike), and the reshapes both sides make of one value
+  # to one type, otherwise spelt (`reshapes`: the same numbers). [] when identical.
+  value_changes: list[str] = dataclasses.field(default_factory=list)
+  reshapes: list[str] = dataclasses.field(default_factory=list)
 
   def summary(self, loop_growth: bool = True) -> str:
     """One line; `loop_growth=False` leaves out `loop_growth`, for a second summary beside one that has it."""
@@ -1363,7 +1369,9 @@ def diff(
   first_a = a[i1].strip() if i1 < i2 else ''
   first_b = b[j1].strip() if j1 < j2 else ''
   start = _first_difference(first_a, first_b)
-  parting = _parting(full[0].splitlines(), full[1].splitlines())
+  every = _parting(full[0].splitlines(), full[1].splitlines(), most=len(a) + len(b))
+  parting = tuple(found[:3] for found in every)  # the same as most=3: the order is kept
+  changes, reshapes = _value_changes([a[i].strip() for i in every[0]], [b[i].strip() for i in every[1]], width)
   return ProgramDiff(
       False, i1 + 1, len(a), len(b), changed, '\n'.join(lines),
       first_linen=_clip(first_a, width, start), first_nnx=_clip(first_b, width, start),
@@ -1371,8 +1379,66 @@ def diff(
       parting_nnx=[_clip(b[i].strip(), width) for i in parting[1]],
       allowed=allowed_names,
       loop_growth=loop_carry_growth(linen_text, nnx_text, linen_args, nnx_args),
+      value_changes=changes, reshapes=reshapes,
       **_arguments_only(linen_args, nnx_args),
   )
+
+
+# An operation that only reshapes a value, moving no element (row-major order kept): a
+# reshape, a broadcast_in_dim that adds unit axes only, a transpose that moves unit axes only.
+_RESHAPE_LIKE = re.compile(
+    r'=\s*stablehlo\.(reshape|broadcast_in_dim|transpose)\s+(%\w+)(?:,\s*dims\s*=\s*\[([\d,\s]*)\])?'
+    r'\s*:\s*\((tensor<[^<>]*>)\)\s*->\s*(tensor<[^<>]*>)\s*$')
+# Operations that differ because what they run differs (a called function, a loop's or a
+# conditional's body), whose own differing operations are found too.
+_REGION_OP = re.compile(r'=\s*(?:func\.)?call @|=\s*"?stablehlo\.(?:while|case|if)\b')
+
+
+def _tensor_type(text: str) -> tuple[tuple[int, ...], str] | None:
+  """`tensor<8x1xf32>` as ((8, 1), 'f32'); None where a dimension is not a number."""
+  parts = text[len('tensor<'):-1].split(',')[0].strip().split('x')
+  if not all(p.isdigit() for p in parts[:-1]):
+    return None
+  return tuple(int(p) for p in parts[:-1]), parts[-1]
+
+
+def _reshape_key(line: str) -> tuple[str, str] | None:
+  """(operand, result type) of an operation that only reshapes its operand (`_RESHAPE_LIKE`);
+  None for any other operation."""
+  m = _RESHAPE_LIKE.search(line)
+  if m is None:
+    return None
+  op, operand, dims, source, result = m.groups()
+  src, dst = _tensor_type(source), _tensor_type(result)
+  if src is None or dst is None or src[1] != dst[1] or int(np.prod(src[0])) != int(np.prod(dst[0])):
+    return None
+  order = [int(d) for d in dims.split(',')] if dims and dims.strip() else []
+  if op == 'broadcast_in_dim' and order != sorted(set(order)):
+    return None
+  if op == 'transpose' and [d for d in order if src[0][d] != 1] != sorted(d for d in order if src[0][d] != 1):
+    return None
+  return operand, result
+
+
+def _value_changes(linen: list[str], nnx: list[str], width: int) -> tuple[list[str], list[str]]:
+  """Of the operations where two programs part (each side's, as `_parting` finds them): those
+  that change values, and the reshapes of one value to one type that both sides make (the
+  same numbers, otherwise spelt); each `Linen: <operation>` or `NNX: <operation>`.
+
+  A constant one side has is a change; so is any operation but a reshape (`_reshape_key`), and
+  a reshape the other side does not make of the same value to the same type. Operations that
+  differ because what they call or loop over differs are left out: what differs inside is
+  found too.
+  """
+  sides = (('Linen', [l for l in linen if not _REGION_OP.search(l)]),
+           ('NNX', [l for l in nnx if not _REGION_OP.search(l)]))
+  keys = [{_reshape_key(l) for l in lines} - {None} for _, lines in sides]
+  changes, reshapes = [], []
+  for (name, lines), other in ((sides[0], keys[1]), (sides[1], keys[0])):
+    for line in lines:
+      key = _reshape_key(line)
+      (reshapes if key is not None and key in other else changes).append(f'{name}: {_clip(line, width)}')
+  return changes, reshapes
 
 
 def _arguments_only(linen_args: list[str] | None, nnx_args: list[str] | None) -> dict[str, list[str]]:

@@ -10,6 +10,7 @@ compare values, not bits, so they are not used for equivalence.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -47,33 +48,88 @@ def _ordered(bits: np.ndarray, width: int) -> np.ndarray:
   return np.where(sign == 1, -magnitude, magnitude)
 
 
-def _bits_detail(a: np.ndarray, b: np.ndarray, bits_a: np.ndarray, bits_b: np.ndarray) -> str:
-  differ = bits_a != bits_b
-  count = int(np.count_nonzero(differ))
-  first = tuple(int(i) for i in np.argwhere(differ)[0]) if a.ndim else ()
-  va, vb = a[first], b[first]
-  parts = [f'{count} of {a.size} elements differ']
-  if _is_float(a.dtype):
-    fa, fb = a[differ].astype(np.float64), b[differ].astype(np.float64)
-    with np.errstate(invalid='ignore'):
-      absdiff = np.abs(fa - fb)
-    finite = absdiff[np.isfinite(absdiff)]
-    parts.append(f'max abs diff {finite.max() if finite.size else float("nan"):.6g}')
-    width = a.dtype.itemsize
-    ulps = np.abs(_ordered(bits_a[differ], width) - _ordered(bits_b[differ], width))
-    parts.append(f'max ULP distance {int(ulps.max())}')
-    sign = 8 * width - 1
-    opposite = int(np.count_nonzero((bits_a[differ] >> sign) != (bits_b[differ] >> sign)))
-    if opposite:  # float32 -1e-30 against +1e-30 is 457,475,264 ULP apart; -0.0 against +0.0 is 0
-      parts.append(f'{opposite} of them of opposite sign (a ULP distance across zero counts'
-                   ' every float between: read the max abs diff)')
-  elif np.issubdtype(a.dtype, np.integer):
-    parts.append(f'max abs diff {int(np.max(np.abs(a[differ].astype(object) - b[differ].astype(object))))}')
-  parts.append(
-      f'first at index {list(first)}: {va!r} (bits 0x{int(bits_a[first]):x}) vs'
-      f' {vb!r} (bits 0x{int(bits_b[first]):x})'
-  )
-  return ', '.join(parts)
+# Elements a tally folds in at a time: its temporaries (float64 values, ordered bits) stay a few tens of MiB.
+_PIECE = 1 << 20
+
+
+class BitsTally:
+  """What `compare_leaves` says of two arrays' bits, folded in box by box.
+
+  `add(start, a, b)` takes the two arrays' boxes at index `start` (any boxes, in any order); `detail()`
+  is then the detail `compare_leaves` gives for the whole arrays, character for character: count,
+  max abs diff, max ULP distance (floats), elements of opposite sign, and the first differing element
+  in C order. So two arrays too large to hold compare a box pair at a time
+  (parity.store.pair_convert.compare_checkpoints).
+  """
+
+  def __init__(self, shape, dtype):
+    self.shape, self.dtype = tuple(int(n) for n in shape), np.dtype(dtype)
+    self.count = 0
+    self.first: tuple | None = None  # (index, value a, value b, bits a, bits b)
+    self.max_abs = None  # floats: the largest finite |a - b| (None: none finite); integers: the largest |a - b|
+    self.max_ulp = 0
+    self.opposite = 0
+
+  @property
+  def equal(self) -> bool:
+    """No element folded in so far differs."""
+    return not self.count
+
+  def add(self, start, a, b) -> None:
+    """Folds in the two arrays' boxes of one shape whose first element is at index `start`."""
+    a, b = np.asarray(a), np.asarray(b)
+    bits_a, bits_b = raw_bits(a).reshape(-1), raw_bits(b).reshape(-1)
+    if np.array_equal(bits_a, bits_b):
+      return
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    for lo in range(0, bits_a.size, _PIECE):
+      hi = lo + _PIECE
+      self._piece(tuple(start), a.shape, lo, flat_a[lo:hi], flat_b[lo:hi], bits_a[lo:hi], bits_b[lo:hi])
+
+  def _piece(self, start, box, lo, a, b, bits_a, bits_b) -> None:
+    differ = bits_a != bits_b
+    count = int(np.count_nonzero(differ))
+    if not count:
+      return
+    self.count += count
+    k = int(np.argmax(differ))  # the first differing element, in the box's C order
+    local = np.unravel_index(lo + k, box) if box else ()
+    index = tuple(int(s) + int(i) for s, i in zip(start, local))
+    if self.first is None or index < self.first[0]:
+      self.first = (index, a[k], b[k], int(bits_a[k]), int(bits_b[k]))
+    if _is_float(self.dtype):
+      fa, fb = a[differ].astype(np.float64), b[differ].astype(np.float64)
+      with np.errstate(invalid='ignore'):
+        absdiff = np.abs(fa - fb)
+      finite = absdiff[np.isfinite(absdiff)]
+      if finite.size:
+        self.max_abs = finite.max() if self.max_abs is None else max(self.max_abs, finite.max())
+      width = self.dtype.itemsize
+      ulps = np.abs(_ordered(bits_a[differ], width) - _ordered(bits_b[differ], width))
+      self.max_ulp = max(self.max_ulp, int(ulps.max()))
+      sign = 8 * width - 1
+      self.opposite += int(np.count_nonzero((bits_a[differ] >> sign) != (bits_b[differ] >> sign)))
+    elif np.issubdtype(self.dtype, np.integer):
+      wide = np.int64 if self.dtype.itemsize < 8 else object  # exact either way
+      largest = int(np.max(np.abs(a[differ].astype(wide) - b[differ].astype(wide))))
+      self.max_abs = largest if self.max_abs is None else max(self.max_abs, largest)
+
+  def detail(self) -> str:
+    """`compare_leaves`'s detail of the whole arrays (only where some element differs)."""
+    if self.first is None:
+      raise ValueError('no element differs: there is no detail to give')
+    index, va, vb, ba, bb = self.first
+    parts = [f'{self.count} of {math.prod(self.shape)} elements differ']
+    if _is_float(self.dtype):
+      parts.append(f'max abs diff {self.max_abs if self.max_abs is not None else float("nan"):.6g}')
+      parts.append(f'max ULP distance {self.max_ulp}')
+      if self.opposite:  # float32 -1e-30 against +1e-30 is 457,475,264 ULP apart; -0.0 against +0.0 is 0
+        parts.append(f'{self.opposite} of them of opposite sign (a ULP distance across zero counts'
+                     ' every float between: read the max abs diff)')
+    elif np.issubdtype(self.dtype, np.integer):
+      parts.append(f'max abs diff {self.max_abs}')
+    parts.append(f'first at index {list(index)}: {va!r} (bits 0x{ba:x}) vs {vb!r} (bits 0x{bb:x})')
+    return f'{self.dtype.name}{list(self.shape)}: ' + ', '.join(parts)
 
 
 def _is_float(dtype: np.dtype) -> bool:
@@ -102,7 +158,9 @@ def compare_leaves(path: str, a: Any, b: Any) -> LeafDiff | None:
   bits_a, bits_b = raw_bits(a), raw_bits(b)
   if np.array_equal(bits_a, bits_b):
     return None
-  return LeafDiff(path, 'bits', f'{a.dtype.name}{list(a.shape)}: ' + _bits_detail(a, b, bits_a, bits_b))
+  tally = BitsTally(a.shape, a.dtype)
+  tally.add((0,) * a.ndim, a, b)
+  return LeafDiff(path, 'bits', tally.detail())
 
 
 def compare_trees(a: Any, b: Any, labels: tuple[str, str] = ('the first tree', 'the second tree')) -> list[LeafDiff]:

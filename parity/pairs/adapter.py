@@ -187,6 +187,13 @@ class KnownDifference:
   tight (values, program lines and temporaries alike): at most `TIGHTNESS`
   times the largest difference measured under it, and something must differ. A pattern covering a whole collection
   (`params/*`, `*`) is not a module's and is refused.
+
+  Or `substitute` is a stand-in the kit applies itself (parity/pairs/substitutes.py
+  `IN_PLACE`: `parity.linen_attention`): then there is no bound (`max_ulp` 0). The kit
+  gives every stock `nnx.MultiHeadAttention` of the NNX side's models Linen's formula
+  in place, in every part, with no change to the model, and every value is compared
+  bit for bit; `paths` must name exactly the modules given it (Linen module paths), and
+  a declaration that cannot take effect fails every part saying why.
   """
 
   paths: tuple[str, ...]
@@ -206,6 +213,16 @@ class KnownDifference:
     if unknown:
       raise ValueError(f'KnownDifference passes {unknown}: not passes the battery knows {PASSES}')
 
+  def describe(self) -> str:
+    """The declaration as it reads in a failure: its paths, passes and substitute (or bound)."""
+    from parity.pairs import substitutes
+
+    if substitutes.in_place(self.substitute):
+      extra = f', substitute=parity.{self.substitute.__name__}'
+    else:
+      extra = f', max_ulp={self.max_ulp}' if self.max_ulp else ''
+    return f'KnownDifference({self.paths!r}, {self.passes!r}{extra})'
+
   @property
   def value_passes(self) -> tuple[str, ...]:
     return tuple(p for p in self.passes if p in VALUE_PASSES)
@@ -217,8 +234,14 @@ class KnownDifference:
   def refusals(self, pass_name: str, measured: int) -> list[str]:
     """Why this value bound is not accepted in `pass_name`, given the largest difference
     measured under it (ULP): global, unproven or loose. Empty: accepted."""
+    from parity.pairs import substitutes
+
     out = []
     what = f'KnownDifference({self.paths}, {pass_name!r}, max_ulp={self.max_ulp})'
+    if substitutes.in_place(self.substitute):  # applied in every part: compared bit for bit, no bound
+      return [] if not self.max_ulp else [
+          f'{what}: its substitute, parity.{self.substitute.__name__}, is given to the NNX model in every'
+          ' part, where every value is compared bit for bit: declare no max_ulp']
     if self.global_paths():
       out.append(f'{what} covers a whole collection ({", ".join(self.global_paths())}): a global'
                  f' bound proves nothing; declare the modules whose implementations differ, each'
@@ -272,6 +295,15 @@ class Decode:
   prompt: Callable[[Mapping[str, Any]], Any]
   steps: int = 8
   temperatures: tuple[float, ...] = (0.0, 0.8)
+
+  def __post_init__(self):
+    # No token, or no temperature, would compare no decoding at all, and pass.
+    if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+      raise ValueError(f'Decode steps: a whole number of tokens to decode, 1 or more, got {self.steps!r}')
+    if (isinstance(self.temperatures, (str, bytes)) or not isinstance(self.temperatures, (tuple, list))
+        or not self.temperatures):
+      raise ValueError('Decode temperatures: a tuple of one or more temperatures (0.0: greedy),'
+                       f' got {self.temperatures!r}')
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -368,7 +400,10 @@ def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side,
   """`pair.make_sides(mesh)`, checked: two sides, each with every member of `Side` but the optional.
 
   An NNX side that infers its module correspondences (`adopt_correspondence`,
-  as `StockNnx` does) gets them from the Linen side, once per pair.
+  as `StockNnx` does) gets them from the Linen side, once per pair. A declared
+  difference whose `substitute` is a stand-in the kit applies in place
+  (`parity.linen_attention`) is given to the NNX side first (`adopt_substitutes`), and
+  must take effect: every module it is given to declared, every declared module given it.
   """
   sides = pair.make_sides(mesh)
   if not isinstance(sides, (tuple, list)) or len(sides) != 2:
@@ -381,6 +416,7 @@ def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side,
           ' parity.pairs.adapter.Side (each one\'s docstring says what it takes and returns; parity.pairs.stock'
           ' implements them for flax\'s stock train states)')
   linen, nnx_side = sides
+  in_place = _in_place_substitutions(pair, nnx_side)
   if getattr(nnx_side, 'infer_renames', False) is True and hasattr(nnx_side, 'adopt_correspondence'):
     found = _correspondence(pair, linen, nnx_side)
     if found is not None:
@@ -389,7 +425,72 @@ def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side,
     from parity.core import rng
 
     nnx_side.adopt_linen_draws(linen, pair.batch(0, 'train'), rng.step_key(rng.base_key(pair.seed), 0, 0))
+  if in_place:
+    _check_substitutions(pair, nnx_side, in_place)
   return linen, nnx_side
+
+
+def _in_place_substitutions(pair: 'Pair', nnx_side: Any) -> tuple[KnownDifference, ...]:
+  """The pair's declarations whose stand-in the kit applies in place, given to the NNX side
+  (before it makes any model); a SideError where that side cannot take them."""
+  from parity.pairs import substitutes
+
+  declared = tuple(d for d in pair.known_differences if substitutes.in_place(d.substitute))
+  if not declared:
+    return ()
+  if not hasattr(nnx_side, 'adopt_substitutes'):
+    raise SideError(
+        f'{pair.name}: {declared[0].describe()} cannot take effect: its stand-in is given in place to the'
+        f' models a parity.StockNnx makes, and the NNX side ({type(nnx_side).__name__}) makes its own (no'
+        ' adopt_substitutes), so every part would compare the stock formula. Give its'
+        f' {substitutes.IN_PLACE[declared[0].substitute][0].__name__} modules'
+        f' {substitutes.IN_PLACE[declared[0].substitute][1]}=parity.{declared[0].substitute.__name__} in'
+        ' that side\'s create and remove the declaration, or build the side as a parity.StockNnx'
+        ' (docs/plugin.md, "Stock attention")')
+  nnx_side.adopt_substitutes(tuple(dict.fromkeys(d.substitute for d in declared)))
+  return declared
+
+
+def _check_substitutions(pair: 'Pair', nnx_side: Any, declared: tuple[KnownDifference, ...]) -> None:
+  """Each in-place declaration took effect: the modules given its stand-in are exactly those it
+  names (by Linen module path); a SideError naming what differs otherwise."""
+  from parity.pairs import substitutes
+
+  found = nnx_side.substituted_modules()
+  problems = []
+  for stand_in in dict.fromkeys(d.substitute for d in declared):
+    cls, attribute, _ = substitutes.IN_PLACE[stand_in]
+    what = f'{stand_in.__name__} ({cls.__name__} {attribute})'
+    given = [p for p, state in found[stand_in.__name__].items() if state == 'substituted']
+    named = [p for d in declared if d.substitute is stand_in for p in d.paths]
+    for d in declared:
+      if d.substitute is not stand_in:
+        continue
+      missing = [p for p in d.paths if p not in given]
+      if not given:
+        problems.append(
+            f'{d.describe()} cannot take effect: its stand-in was given to no module, as the NNX model has'
+            f' no {cls.__name__} with flax\'s default {attribute}'
+            + (f' (its {cls.__name__} modules: {_states(found[stand_in.__name__])})' if found[stand_in.__name__]
+               else f' (it has no {cls.__name__})') + ': remove the declaration')
+      elif missing:
+        problems.append(
+            f'{d.describe()} names {", ".join(missing)}, where the kit gave no module {what}: the modules'
+            f' given it are {", ".join(given)} (Linen paths); name those')
+    undeclared = [p for p in given if p not in named]
+    if undeclared:
+      problems.append(
+          f'the kit gives {what} to every stock {cls.__name__} of the NNX model, and {", ".join(undeclared)}'
+          f' {"is" if len(undeclared) == 1 else "are"} declared by none: add them to the declaration\'s paths')
+  if problems:
+    raise SideError(f'{pair.name}: a declared substitution does not take effect as declared:\n  '
+                    + '\n  '.join(problems) + '\n(docs/plugin.md, "Stock attention")')
+
+
+def _states(found: Mapping[str, str]) -> str:
+  """Each module of `substituted_modules` with what its model gives it (all but the kit's stand-in)."""
+  return ', '.join(f'{p or "the model itself"}: {s if s == "stock" else s + ", given by the model"}'
+                   for p, s in found.items())
 
 
 # The inferred correspondence of each pair (by identity), computed once per process.

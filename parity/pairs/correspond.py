@@ -65,6 +65,9 @@ class Call:
   below: tuple  # sorted ((shape, dtype), ...) of every parameter at or below the module
   kinds: frozenset = frozenset()  # its class and base classes, by name (stock names as NNX's)
   method: str = '__call__'  # the method called (`attend`: key `path.attend`)
+  # The module's class itself (the wrapper's, for a wrapper): a stock layer is told from a
+  # same-named class of the project's own by it.
+  module_type: Any = dataclasses.field(default=None, compare=False, repr=False)
 
   @property
   def label(self) -> str:
@@ -118,7 +121,7 @@ def _calls(order: list[tuple[str, str, type, type | None]], flat_params: dict[st
     # A wrapper is also of the class it wraps (a ToLinen of an NNX Mlp pairs as an Mlp).
     kinds = _kinds(cls_type) | (_kinds(wrapped) if wrapped is not None else frozenset())
     out.append(Call(name if n == 0 else f'{name}#{n}', path, cls, tuple(sorted(groups.get(path, ()))),
-                    tuple(below), kinds, method))
+                    tuple(below), kinds, method, cls_type))
   return out
 
 

@@ -37,6 +37,7 @@ from parity.core.state import NNX_STEP_DTYPE
 from parity.core import compat
 from parity.pairs import adapter
 from parity.pairs import dropout
+from parity.pairs import substitutes as substitutes_lib
 from parity.compare import decode_localize
 from parity.compare import localize
 from parity.compare import scopes
@@ -339,6 +340,10 @@ class StockNnx(_Stock):
   # (Linen scope path, the counts its make_rng('dropout') draws with): set from the Linen side
   # with dropout_keys='linen' (parity/pairs/dropout.py, `linen_draws`).
   linen_draws: tuple[tuple[str, tuple[int, ...]], ...] = ()
+  # Stand-ins the kit applies in place to every model `create` makes (parity/pairs/substitutes.py
+  # IN_PLACE: parity.linen_attention on each stock nnx.MultiHeadAttention): set from the pair's
+  # declared differences that name one as their `substitute=` (`adopt_substitutes`).
+  substitutes: tuple[Callable[..., Any], ...] = ()
 
   def __post_init__(self):
     if self.dropout_keys not in dropout.SCHEMES:
@@ -375,6 +380,32 @@ class StockNnx(_Stock):
     draws = dropout.linen_draws(lambda state: linen_side.loss(state.params, state, batch, key), state)
     object.__setattr__(self, 'linen_draws', tuple(sorted(draws.items())))
 
+  def adopt_substitutes(self, stand_ins: tuple[Callable[..., Any], ...]) -> None:
+    """Takes in place the stand-ins to apply to every model `create` makes, before first use
+    (as `adopt_correspondence`: a wrapper delegating to this side keeps wrapping it)."""
+    object.__setattr__(self, 'substitutes', tuple(stand_ins))
+    for cached in ('_abstract', '_nnx_only_paths', '_nnx_only_state'):  # made from `create` before
+      self.__dict__.pop(cached, None)
+
+  def substituted_modules(self) -> dict[str, dict[str, str]]:
+    """For each stand-in of `substitutes`, the instances of its stock class in a fresh model (an
+    abstract one: nothing allocated), by Linen module path: 'substituted' (given the stand-in by
+    the kit) or what the model gives it itself (the name of its function: the stand-in's own
+    name where the model already computes Linen's formula)."""
+    def made():
+      with compat.eager_sharding_off():
+        return self.create(0)
+
+    graph = nnx.eval_shape(made)
+    out = {}
+    for stand_in in self.substitutes:
+      before = substitutes_lib.instances(graph, stand_in)
+      given = set(substitutes_lib.substitute_in_place(graph, stand_in))
+      out[stand_in.__name__] = {self.renames.to_linen(p.split('/', 1)[1] if '/' in p else ''):
+                                'substituted' if p in given else state
+                                for p, state in before.items() if p == '0' or p.startswith('0/')}
+    return out
+
   def correspondence(self, linen_side: 'StockLinen', batch: Any, key: Any):
     """The inferred correspondence (parity.pairs.correspond.Correspondence) with `linen_side`;
     None where that side is not a stock Linen side (nothing to trace its calls with)."""
@@ -405,9 +436,13 @@ class StockNnx(_Stock):
     return self.place(nnx.split(self._create(seed))[1])
 
   def _create(self, seed: int):
-    """`create(seed)`, annotated variables left unplaced (the kit places the state: `place`)."""
+    """`create(seed)`, annotated variables left unplaced (the kit places the state: `place`), each
+    declared stand-in given in place (`substitutes`)."""
     with compat.eager_sharding_off():
-      return self.create(seed)
+      made = self.create(seed)
+    for stand_in in self.substitutes:  # a declared difference's stand-in, given in place
+      substitutes_lib.substitute_in_place(made, stand_in)
+    return made
 
   def _merge(self, state):
     with compat.eager_sharding_off():
@@ -529,7 +564,7 @@ class StockNnx(_Stock):
       model = self._merge(state)[0]
       return decode_localize.nnx_decode_calls(
           model, lambda m: self.decode_fn(m, prompt, steps, key, temperature), self.renames.to_linen,
-          lambda key: calls.get(key, key))
+          lambda key: calls.get(key, key), self.renames.to_nnx)
 
   def _loss_value(self, model, batch, key):
     """The loss alone (with `has_aux`, the first of what `loss` returns)."""

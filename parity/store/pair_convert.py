@@ -44,7 +44,7 @@ import math
 import os
 import shutil
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -997,17 +997,73 @@ class CheckpointDiff:
     return '\n'.join([f'  {line}' for line in lines] + more + [self.summary()])
 
 
-def _read_array(item: Item, stored: Stored) -> np.ndarray:
-  """One whole array of a checkpoint (a diff reads two at a time)."""
+# A diff reads two arrays a box pair at a time: each box at most this many bytes (a stored chunk,
+# split where larger), so its memory is about one chunk pair, never two whole arrays.
+DIFF_BOX_BYTES = convert.BOX_BYTES
+
+
+def _chunk_bytes(stored: Stored) -> int:
+  return math.prod(stored.chunk) * stored.dtype.itemsize
+
+
+def _diff_boxes(shape: Sequence[int], chunk: Sequence[int], itemsize: int) -> Iterator[tuple[slice, ...]]:
+  """The boxes a diff reads an array in: its stored chunks in C order, each split into boxes of at
+  most DIFF_BOX_BYTES (whole trailing axes, leading ones split) where larger."""
+  chunk = tuple(max(1, int(c)) for c in chunk)
+  if math.prod(chunk) * itemsize <= DIFF_BOX_BYTES:
+    yield from convert._boxes(shape, chunk)
+    return
+  for outer in convert._boxes(shape, chunk):
+    extent = [s.stop - s.start for s in outer]
+    for inner in convert._boxes(extent, convert.box_shape(extent, itemsize, DIFF_BOX_BYTES)):
+      yield tuple(slice(o.start + i.start, o.start + i.stop) for o, i in zip(outer, inner))
+
+
+def _open_array(item: Item, stored: Stored, cache_bytes: int = 0):
+  """One array of a checkpoint, opened for reading (`cache_bytes`: decoded chunks kept for boxes
+  that read a chunk in parts)."""
   import tensorstore as ts
 
-  context = ts.Context({'cache_pool': {'total_bytes_limit': 0}})
+  context = ts.Context({'cache_pool': {'total_bytes_limit': cache_bytes}})
   try:
-    store = ts.open(_store_spec(item.item_dir, stored.name, stored.zarr3, stored.ocdbt), read=True, open=True,
-                    context=context).result()
-    return store.read().result()
+    return ts.open(_store_spec(item.item_dir, stored.name, stored.zarr3, stored.ocdbt), read=True, open=True,
+                   context=context).result()
   except Exception as e:  # tensorstore raises ValueError and others
     raise ConvertError(_unreadable(stored.disk, item.item_dir, e)) from None
+
+
+def _read_pair(items: Sequence[Item], stored: Sequence[Stored], stores: Sequence[Any],
+               box: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
+  """One box of each of two arrays, read concurrently (all a diff holds of them at a time)."""
+  futures = [store[box].read() for store in stores]
+  out = []
+  for item, one, future in zip(items, stored, futures):
+    try:
+      out.append(future.result())
+    except Exception as e:  # tensorstore raises ValueError and others
+      raise ConvertError(_unreadable(one.disk, item.item_dir, e)) from None
+  return out[0], out[1]
+
+
+def _compare_arrays(items: Sequence[Item], sa: Stored, sb: Stored, cast: bool) -> str | None:
+  """What `bitwise.compare_leaves` says of two arrays of one shape (None: bit for bit), read box by
+  box along A's stored chunks (B's where smaller); `cast`: both compared as int64 (the step)."""
+  from parity.core import bitwise
+
+  grid = sb.chunk if sb.chunk != sa.chunk and _chunk_bytes(sb) < _chunk_bytes(sa) else sa.chunk
+
+  def cache(stored):  # a chunk read in parts is decoded once, where it is small enough to keep
+    split = tuple(stored.chunk) != tuple(grid) or _chunk_bytes(stored) > DIFF_BOX_BYTES
+    return _chunk_bytes(stored) if split and _chunk_bytes(stored) <= convert.ALIGNED_CHUNK_BYTES else 0
+
+  stores = [_open_array(item, one, cache(one)) for item, one in zip(items, (sa, sb))]
+  tally = bitwise.BitsTally(sa.shape, np.int64 if cast else sa.dtype)
+  for box in _diff_boxes(sa.shape, grid, max(sa.dtype.itemsize, sb.dtype.itemsize)):
+    xa, xb = _read_pair(items, (sa, sb), stores, box)
+    if cast:
+      xa, xb = xa.astype(np.int64), xb.astype(np.int64)
+    tally.add(tuple(b.start for b in box), xa, xb)
+  return None if tally.equal else tally.detail()
 
 
 def _shardings(item: Item) -> dict[str, Any]:
@@ -1034,10 +1090,10 @@ def compare_checkpoints(
 
   Each must be one side's own checkpoint (any of FORMATS); leaves one lacks, or of another shape or
   dtype, are differences. The step's dtype (int32 on Linen, uint32 on NNX) differs by design: its
-  values are compared. Raises ConvertError or TreeMismatchError when a checkpoint is not one.
+  values are compared. Arrays are read a box pair at a time (stored chunks, at most DIFF_BOX_BYTES
+  each), so memory stays about one chunk pair, never two whole arrays. Raises ConvertError or
+  TreeMismatchError when a checkpoint is not one.
   """
-  from parity.core import bitwise
-
   sides = tuple(sides) if sides is not None else pair_sides(pair, None)
   layouts = pair_layouts(sides)
   items = [locate(path, label, step, item, layouts) for path, label, step in ((a, 'A', step_a), (b, 'B', step_b))]
@@ -1088,12 +1144,9 @@ def compare_checkpoints(
       else:
         differ(key, 'dtype', f'{sa.dtype.name} vs {sb.dtype.name}')
         continue
-    xa, xb = _read_array(items[0], sa), _read_array(items[1], sb)
-    if cast:
-      xa, xb = xa.astype(np.int64), xb.astype(np.int64)
-    diff = bitwise.compare_leaves(key, xa, xb)
-    if diff is not None:
-      differ(key, 'values', cast + diff.detail)
+    detail = _compare_arrays(items, sa, sb, bool(cast))
+    if detail is not None:
+      differ(key, 'values', cast + detail)
   # Placement: each leaf's recorded sharding (only between two checkpoints that record them).
   sh = [_shardings(it) for it in items]
   if sh[0] and sh[1]:
