@@ -1,6 +1,6 @@
 """Benchmark (not a test): `parity convert --pair` on the reference decoder's `default` preset.
 
-  python benchmarks/convert_pair_default.py SCRATCH_DIR [--layers N] [--zarr3] [--keep]
+  python benchmarks/convert_pair_default.py SCRATCH_DIR [--layers N] [--zarr3] [--keep] [--no-diff]
 
 1. Writes SCRATCH_DIR/src as the Linen side's own save code writes it:
    `ocp.StandardCheckpointer().save(path, train_state)` of the reference

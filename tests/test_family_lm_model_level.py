@@ -149,7 +149,7 @@ def _own_cache_pair(name, nnx_call=nnx_call):
       cache_calls=(linen_call, nnx_call), parts=('decode',))
 
 
-@pytest.mark.xdist_group('parity-lm_model_level')
+@pytest.mark.xdist_group('parity-lm_model_level/own-programs')  # with the pair's decode parts
 def test_a_cache_of_ones_own_is_driven_by_the_same_loop():
   """`cache_calls=(linen call, nnx call)`: each side's one call, driven greedy and sampled, bit for bit."""
   from parity.battery import checks
@@ -161,7 +161,7 @@ def test_a_cache_of_ones_own_is_driven_by_the_same_loop():
 
 
 @pytest.mark.exhaustive
-@pytest.mark.xdist_group('parity-lm_model_level')
+@pytest.mark.xdist_group('parity-lm_model_level/own-programs')
 def test_a_slot_ones_own_cache_skips_fails_from_that_step_naming_the_attention():
   """A slot the NNX call skips mid-decode: the decode part fails from that step, naming the attention."""
   from parity.battery import checks
@@ -175,3 +175,22 @@ def test_a_slot_ones_own_cache_skips_fails_from_that_step_naming_the_attention()
   assert (f'decode localizer: first differs inside module {module} (NNX: blocks/0/attention), outside its'
           f' submodules (the input of {module}/out (NNX: blocks/0/attention/out) differs), in model call 6 of 11:'
           ' decode step 3 of 8 (it feeds token 2)') in message, message
+
+
+@pytest.mark.xdist_group('parity-lm_model_level/own-programs')  # the decode parts' programs
+def test_the_kits_decoders_lower_one_step_whose_memory_compare_decode_compares():
+  """Each side's decoding step, as the kit's decoders run it (parameters and cache in, logits and
+  cache out), lowered for `parity compare --decode`: its memory equal to the byte."""
+  from parity.battery import checks
+  from parity.run import runner
+
+  runs = checks._runs(lm_model_level)
+  sides = dict(zip(('linen', 'nnx'), runs.sides()))
+  start = runs.start('linen')
+  states = {name: side.from_checkpoint(start) for name, side in sides.items()}
+  prompt = runs.batch(0, 'eval')['tokens'][:, :4]
+  run = runner.decode_sides(sides, states, prompt, 2, jax.random.PRNGKey(3), 0.0)
+  assert not run.diffs
+  assert run.memory['linen']['output_bytes'] > 0 and run.memory['linen'] == run.memory['nnx'], run.memory
+  assert run.memory_verdict() == 'equal to the byte'
+  assert run.program is None and run.program_verdict().endswith('its memory is compared)')

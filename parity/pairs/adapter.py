@@ -81,7 +81,7 @@ class Side(Protocol):
 
   def lower_decode_step(self, state: Any, batch: int, max_len: int) -> jax.stages.Lowered:
     """Optional (`parity compare --decode`): one decoding step's program, a token a row on a
-    cache of `max_len`, for its memory analysis and program comparison."""
+    cache of `max_len`, for its memory analysis and program comparison (None: not lowered)."""
 
   def decode_calls(self, state: Any, prompt: jax.Array, steps: int, key: jax.Array, temperature: float) -> Any:
     """Optional (the decode localizer): `decode`'s module calls, recorded as it runs eagerly, one

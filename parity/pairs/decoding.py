@@ -166,6 +166,17 @@ class LinenDecoder:
 
     return step
 
+  def lower_step(self, state, batch: int, max_len: int) -> jax.stages.Lowered:
+    """One decoding step's program (a token a row, on a cache of `max_len`), as `__call__`
+    runs it: for `parity compare --decode`'s memory and program comparison."""
+    variables = self.variables(state)
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    if self.call is not None:  # the cache the call makes of one token, then a step on it
+      _, cache = self.call(variables, tokens, None)
+      return jax.jit(self.call).lower(variables, tokens, cache)
+    model = self.decoding_model(state)
+    return self._step.lower(model, variables, self._init_cache(model, batch, max_len), tokens)
+
   def __call__(self, state, prompt, steps: int, key, temperature: float):
     variables = self.variables(state)
     prompt = jnp.asarray(prompt, jnp.int32)
@@ -198,10 +209,13 @@ class NnxDecoder:
 
   @functools.cached_property
   def _step(self):
-    @nnx.jit
-    def step(model, tokens):
-      """Logits of one token a row, written in the model's cache at its index (in place)."""
-      return model(*as_args(self.inputs(tokens)), **self.kwargs)
+    @functools.partial(jax.jit, static_argnums=0)
+    def step(graphdef, cache, state, tokens):
+      """(logits, the cache after) of one token a row, written at the cache index: the model's
+      state in, its cache out, as Linen's step (`LinenDecoder`) takes variables and gives its cache."""
+      model = nnx.merge(graphdef, cache, state)
+      logits = model(*as_args(self.inputs(tokens)), **self.kwargs)
+      return logits, nnx.state(model, nnx.Cache)
 
     return step
 
@@ -212,6 +226,17 @@ class NnxDecoder:
     model.set_attributes(decode=True)
     return model
 
+  def lower_step(self, model, batch: int, max_len: int) -> jax.stages.Lowered:
+    """One decoding step's program (a token a row, on a cache of `max_len`), as `__call__`
+    runs it: for `parity compare --decode`'s memory and program comparison."""
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    if self.call is not None:  # the cache the call makes of one token, then a step on it
+      model = nnx.clone(model)
+      _, cache = self.call(model, tokens, None)
+      return nnx.jit(self.call).lower(model, tokens, cache)
+    graphdef, cache, state = nnx.split(self.decoding_model(model, batch, max_len), nnx.Cache, ...)
+    return self._step.lower(graphdef, cache, state, tokens)
+
   def __call__(self, model, prompt, steps: int, key, temperature: float):
     prompt = jnp.asarray(prompt, jnp.int32)
     if self.call is not None:
@@ -220,10 +245,10 @@ class NnxDecoder:
                                           temperature)
       return tokens, logits, paths.flatten(cache)
     batch, prompt_len = prompt.shape
-    model = self.decoding_model(model, batch, prompt_len + steps)
-    tokens, logits, _ = decode_loop(lambda t, c: (self._step(model, t), None), prompt, steps, key,
-                                    temperature, one_token=True)
-    return tokens, logits, paths.flatten(nnx.state(model, nnx.Cache))
+    graphdef, cache, state = nnx.split(self.decoding_model(model, batch, prompt_len + steps), nnx.Cache, ...)
+    tokens, logits, cache = decode_loop(lambda t, c: self._step(graphdef, c, state, t), prompt, steps, key,
+                                        temperature, cache=cache, one_token=True)
+    return tokens, logits, paths.flatten(cache)
 
 
 def linen_decoder(model: nn.Module | None = None, *, inputs: Callable[[jax.Array], Any] | None = None,

@@ -304,10 +304,15 @@ class _LinenStateDecoder:
   def _by_collections(self) -> dict[tuple[str, ...], decoding.LinenDecoder]:
     return {}
 
-  def __call__(self, state, prompt, steps: int, key, temperature: float):
+  def _for(self, state) -> decoding.LinenDecoder:
     names = tuple(getattr(state, 'collections', ()))
-    decoder = self._by_collections.setdefault(names, dataclasses.replace(self.decoder, collections=names))
-    return decoder(state, prompt, steps, key, temperature)
+    return self._by_collections.setdefault(names, dataclasses.replace(self.decoder, collections=names))
+
+  def lower_step(self, state, batch: int, max_len: int) -> jax.stages.Lowered:
+    return self._for(state).lower_step(state, batch, max_len)
+
+  def __call__(self, state, prompt, steps: int, key, temperature: float):
+    return self._for(state)(state, prompt, steps, key, temperature)
 
 
 def nnx_model(model: Callable[..., nnx.Module] | nnx.Module, *, inputs: Callable[[Any], Any],

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import flax.linen as nn
 import jax
@@ -234,6 +234,19 @@ class StockLinen(_Stock):
       return None
     with self._context():
       return _decoded(*self.decode_fn(state, prompt, steps, key, temperature))
+
+  # The step's arguments come in each side's own path order: its memory is compared, not its
+  # program position by position (parity/run/runner.py `decode_sides`).
+  decode_program_comparable: ClassVar[bool] = False
+
+  def lower_decode_step(self, state, batch: int, max_len: int) -> jax.stages.Lowered | None:
+    """One decoding step's program, where `decode_fn` lowers one (the kit's decoders,
+    `parity.linen_decoder`, do: `lower_step`); None otherwise."""
+    lower = getattr(self.decode_fn, 'lower_step', None)
+    if lower is None:
+      return None
+    with self._context():
+      return lower(state, batch, max_len)
 
   def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe] | None:
     """The module calls of `decode`, run eagerly, one probe per model call (the decode localizer)."""
@@ -554,6 +567,17 @@ class StockNnx(_Stock):
     with self._context(), compat.eager_sharding_off():
       model = self._merge(state)[0]
       return _decoded(*self.decode_fn(model, prompt, steps, key, temperature), self.renames.to_linen)
+
+  decode_program_comparable: ClassVar[bool] = False  # as StockLinen's
+
+  def lower_decode_step(self, state, batch: int, max_len: int) -> jax.stages.Lowered | None:
+    """One decoding step's program, where `decode_fn` lowers one (the kit's decoders,
+    `parity.nnx_decoder`, do: `lower_step`); None otherwise."""
+    lower = getattr(self.decode_fn, 'lower_step', None)
+    if lower is None:
+      return None
+    with self._context(), compat.eager_sharding_off():
+      return lower(self._merge(state)[0], batch, max_len)
 
   def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe] | None:
     """The module calls of `decode`, run eagerly and named as Linen's, one probe per model call."""
