@@ -248,3 +248,13 @@ def test_a_worker_whose_grouping_did_not_take_effect_fails_every_test(pytestconf
   with pytest.raises(pytest.fail.Exception, match=r'--dist loadgroup is not grouping tests here \(1 grouped'
                      r' tests lack their @group suffix\).*pytest-xdist#1386. Install a pytest below 9.2'):
     plugin.pytest_runtest_setup(item)
+
+
+def test_the_battery_keeps_its_compiled_programs_in_the_projects_pytest_cache(user_project, monkeypatch):
+  """A user's project with no compilation cache of its own gets jax's persistent cache in its
+  `.pytest_cache`: a second run of a pair loads its programs instead of compiling them."""
+  monkeypatch.delenv('JAX_COMPILATION_CACHE_DIR', raising=False)
+  result = user_project.runpytest_subprocess('--parity-parts=init', '-k', 'classifier and not broken')
+  result.assert_outcomes(passed=1)
+  cache = user_project.path / '.pytest_cache' / 'd' / 'parity-jax-compilation-cache'
+  assert cache.is_dir() and any(cache.iterdir()), sorted(user_project.path.rglob('*'))[:20]

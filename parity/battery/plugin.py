@@ -155,6 +155,7 @@ def _prepare_xla(config, pair) -> list[str]:
   if _XLA_PREPARED:
     return []
   _XLA_PREPARED.append(True)
+  _use_compile_cache(config)
   meshes = config.getoption('parity_mesh') or list(pair.meshes)
   if not meshes or xla_env.backends_started():  # too late: jax reads XLA_FLAGS once
     return []
@@ -163,6 +164,17 @@ def _prepare_xla(config, pair) -> list[str]:
   except ValueError:
     return []  # reported by the mesh test, which parses it
   return xla_env.add_flags((xla_env.host_device_count_flag(count),) + xla_env.GPU_DETERMINISTIC_FLAGS)
+
+
+def _use_compile_cache(config) -> None:
+  """jax's persistent compilation cache in the project's pytest cache (`.pytest_cache`, shared by
+  the xdist workers), unless one is set: a second run of a pair loads its programs. Not with
+  `-p no:cacheprovider`, or where JAX_COMPILATION_CACHE_DIR or jax's config names one already."""
+  from parity.env import compile_cache  # imports no jax
+
+  cache = getattr(config, 'cache', None)
+  if cache is not None:
+    compile_cache.enable(str(cache.mkdir('parity-jax-compilation-cache')))
 
 
 _MAP_GUARD = map_limit.Guard()
