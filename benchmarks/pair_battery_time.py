@@ -23,7 +23,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIR = 'tests/test_family_lm_model_level.py::lm_model_level'
-SUMMARY = re.compile(r'=+ (.*?) in ([0-9.]+)s')
+SUMMARY = re.compile(r'^=*\s*(\d+ (?:passed|failed).*?) in ([0-9.]+)s', re.MULTILINE)
 
 
 def _run(workers: int, cache: str) -> dict:
