@@ -389,3 +389,23 @@ def planted(name: str, **bugs) -> parity.Pair:
 def planted_sides(**bugs):
   """The `make_sides(mesh)` of `planted(..., **bugs)`: a declared difference's substitute."""
   return planted('substitute', **bugs).make_sides
+
+
+_PLANTED: dict[str, 'parity.Pair'] = {}
+
+
+def planted_once(name: str, **bugs) -> 'parity.Pair':
+  """`planted(name, **bugs)`, one object per process and options (its runs are shared)."""
+  key = f'{name}{sorted(bugs.items())!r}'
+  if key not in _PLANTED:
+    _PLANTED[key] = planted(name, **bugs)
+  return _PLANTED[key]
+
+
+def failure_of(check, *args) -> str:
+  """The message of the AssertionError `check(*args)` must raise."""
+  import pytest
+
+  with pytest.raises(AssertionError) as failure:
+    check(*args)
+  return str(failure.value)

@@ -25,21 +25,10 @@ from tests import small_pairs
 
 pytestmark = pytest.mark.xdist_group('parity-truthful-messages')
 
-_PAIRS: dict[str, parity.Pair] = {}
 
 
-def _pair(name: str, **bugs) -> parity.Pair:
-  """The planted pair `name` with `bugs`, one object per process (its runs are shared)."""
-  if name not in _PAIRS:
-    _PAIRS[name] = small_pairs.planted(name, **bugs)
-  return _PAIRS[name]
-
-
-def _failure(check, *args) -> str:
-  """The message of the AssertionError `check(*args)` must raise."""
-  with pytest.raises(AssertionError) as failure:
-    check(*args)
-  return str(failure.value)
+_pair = small_pairs.planted_once  # the planted pair `name` with `bugs`, its runs shared
+_failure = small_pairs.failure_of
 
 
 def _declared(pair: parity.Pair, name: str, *known: parity.KnownDifference) -> parity.Pair:
