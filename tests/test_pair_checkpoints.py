@@ -170,8 +170,11 @@ def test_a_conversion_that_does_not_resume_alike_fails_naming_each_leaf_and_writ
   assert (result.verified, result.written) == (False, False)
   _nothing_written(tmp_path / 'nnx')
   assert not [line for line in result.differences if line.startswith('restored')], result.differences
-  assert any(line.startswith('after one step params/Dense_0/kernel [linen: params/Dense_0/kernel |'
-                             ' nnx: 0/inp/kernel/value]: bits: float32[4, 8]') for line in result.differences)
+  # A scaled loss scales the gradients, so Adam's first moments differ on every version; the
+  # parameters Adam moves may or may not (its update is nearly scale-free: jax 0.12 rounds Dense_0's alike).
+  assert any(line.startswith('after one step opt_state/1/0/mu/Dense_0/kernel [linen: opt_state/1/0/mu/Dense_0/kernel'
+                             ' | nnx: 1/opt_state/1/0/mu/inp/kernel/value]: bits: float32[4, 8]')
+             for line in result.differences)
   assert any(line.startswith('after one step metrics/loss: bits:') for line in result.differences)
   assert any('opt_state/1/0/nu/Dense_1/bias [linen: opt_state/1/0/nu/Dense_1/bias | nnx:'
              ' 1/opt_state/1/0/nu/out/bias/value]' in line for line in result.differences)
@@ -206,7 +209,7 @@ def test_the_cli_converts_and_verifies_and_says_what(own, tmp_path, capsys):
   assert cli.main(['convert', '--pair', broken, os.fspath(root / 'linen'), os.fspath(tmp_path / 'nnx'),
                    '--to', 'nnx', '--verify']) == 1
   out = capsys.readouterr().out
-  assert 'verification failed' in out and 'after one step params/Dense_0/kernel [linen:' in out, out
+  assert 'verification failed' in out and 'after one step opt_state/1/0/mu/Dense_0/kernel [linen:' in out, out
   _nothing_written(tmp_path / 'nnx')
 
 
