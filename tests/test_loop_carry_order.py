@@ -136,7 +136,9 @@ def test_values_that_start_alike_are_ordered_by_what_they_are_whatever_their_pla
   canonical program (the first three orders of each, and the reverse)."""
   orders = list(itertools.islice(itertools.permutations(values), 3)) + [tuple(reversed(values))]
   texts = [_while(''.join(order), rule) for order in orders]
-  assert len(set(texts)) == len(texts)  # each order is its own text
+  # The orders are other texts. jax 0.12 forwards loop-invariant carries out of the loop (the
+  # `constants` rule's p and q), so two of those orders lower to one text there: 3 texts of 4.
+  assert len(set(texts)) >= len(texts) - (rule == 'constants'), len(set(texts))
   forms = {programs.canonicalize(t, ['x']) for t in texts}
   assert len(forms) == 1, f'{len(forms)} canonical forms for {len(texts)} orders of one loop'
 
