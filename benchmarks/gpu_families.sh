@@ -16,5 +16,5 @@ python -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__versio
 # The plugin by its entry point where the project is installed, else named.
 plugin=$(python -c "import importlib.metadata as m; print('' if [e for e in m.entry_points(group='pytest11') if e.name == 'parity'] else '-p parity.battery.plugin')")
 PYTHONPATH="$repo" XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_deterministic_ops=true" \
-  python -m pytest -q -p no:cacheprovider $plugin -m 'not exhaustive' --parity-mesh=data=1 -n 0 -rA \
+  python -m pytest -q -p no:cacheprovider $plugin -m 'not exhaustive' -o 'markers=exhaustive: the suite tier' --parity-mesh=data=1 -n 0 -rA \
   --durations=10 -k 'not save_dots' test_family_lm.py test_family_production.py 2>&1 | tee "$out/pytest.log" | tail -80

@@ -29,9 +29,9 @@ def make_sides(mesh, cfg=CFG):
 
 STOCK_LAYERS_PROGRAM = parity.KnownDifference(
     paths=('LayerNorm_0',) + tuple(f'DecoderBlock_{i}/LayerNorm_{j}' for i in range(CFG.num_layers) for j in (0, 1)),
-    passes=('program', 'memory'), max_changed_lines=2300, max_temp_bytes=256,
+    passes=('program', 'memory'), max_changed_lines=2300, max_temp_bytes={'cpu': 256},
     reason="flax's stock layer norm lowers differently in Linen and NNX (same numbers); with dropout"
-           ' on, its other lowering moves 256 B of temporaries')
+           " on, its other lowering moves 256 B of temporaries on the CPU (XLA:GPU's memory: equal)")
 lm = parity.Pair('lm', make_sides, functools.partial(lm_batch, CFG), known_differences=(STOCK_LAYERS_PROGRAM,),
                  meshes=('data=4,tensor=2',), rules=LM_RULES,
                  decode=parity.Decode(prompt=lambda batch: batch['tokens'][:, :4], steps=8))

@@ -109,13 +109,36 @@ def test_a_bug_planted_in_the_nnx_cell_fails_and_the_localizer_names_the_cell(mo
   assert 'forward pass: first differs at module LSTMCell_0' in message, message
 
 
-@pytest.mark.exhaustive
-@pytest.mark.xdist_group('parity-rnn')
 def result_line(text: str, label: str) -> str:
   """The report's row `label`, stripped."""
   return next(line.strip() for line in text.splitlines() if line.strip().startswith(label))
 
 
+@pytest.mark.xdist_group('parity-rnn')
+@pytest.mark.parametrize('declared,passes', [
+    ({'gpu': 8128}, False),  # a bound for another platform excuses nothing here
+    ({'cpu': 8128, 'gpu': 64}, True),
+], ids=['another_platform', 'this_platform'])
+def test_a_memory_bound_by_platform_holds_on_the_platforms_it_names_only(declared, passes):
+  """`max_temp_bytes` by platform: the bound named for this platform (the CPU here) holds and is
+  checked; a mapping without it declares no memory here, and the failure gives the entry to add."""
+  from parity.battery import checks
+
+  pair = _pair('rnn_memory', parts=('memory',),
+               known_differences=(dataclasses.replace(RNN_LOOP, max_temp_bytes=declared),))
+  if passes:
+    assert checks.check_memory(pair)[0].endswith(f'on cpu, RNN_0: {RNN_LOOP.reason})'), checks.check_memory(pair)
+    return
+  with pytest.raises(AssertionError) as failure:
+    checks.check_memory(pair)
+  message = str(failure.value)
+  assert 'temp_bytes -8,128 B' in message and 'beyond the declared' not in message, message
+  assert message.endswith("names no bound on cpu (max_temp_bytes={'gpu': 8128}); if this is the same cause here,"
+                          " add the bytes measured: max_temp_bytes={'gpu': 8128, 'cpu': 8128}"), message
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group('parity-rnn')
 def test_compare_accepts_the_declared_loop_and_exits_0(tmp_path, capsys):
   from parity.run import cli
 

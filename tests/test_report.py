@@ -628,6 +628,11 @@ def test_a_declared_memory_difference_admits_temporaries_within_its_bound(nnx_ch
   program_only = dataclasses.replace(declared, passes=('program',))
   assert not runner.declared_memory_admits(program_only, MEMORY, result.nnx.memory)
   assert not dataclasses.replace(result, declared_program_difference=program_only).same_program
+  # By platform: the bound holds where it is named, and declares nothing elsewhere.
+  by_platform = dataclasses.replace(declared, max_temp_bytes={'gpu': 64})
+  assert runner.declared_memory_admits(by_platform, MEMORY, result.nnx.memory, 'gpu') is admitted
+  assert not runner.declared_memory_admits(by_platform, MEMORY, result.nnx.memory, 'cpu')
+  assert by_platform.temp_bytes('gpu') == 64 and by_platform.temp_bytes('cpu') is None
 
 
 @pytest.mark.parametrize('kwargs,message', [
@@ -636,7 +641,10 @@ def test_a_declared_memory_difference_admits_temporaries_within_its_bound(nnx_ch
     (dict(passes='program'), r'passes: a non-empty tuple of strings'),
     (dict(passes=()), r'passes: a non-empty tuple of strings'),
     (dict(paths='LayerNorm_0'), r'paths: a non-empty tuple of strings'),
-], ids=['unknown', 'misspelt', 'a_string', 'none', 'paths_a_string'])
+    (dict(passes=('memory',), max_temp_bytes={'cuda': 64}), r"max_temp_bytes: .* platforms \('cpu', 'gpu', 'tpu'\)"
+     r" to bytes, got \{'cuda': 64\}"),
+    (dict(passes=('memory',), max_temp_bytes=-64), r'max_temp_bytes: bytes \(an int of at least 0\)'),
+], ids=['unknown', 'misspelt', 'a_string', 'none', 'paths_a_string', 'memory_unknown_platform', 'memory_negative'])
 def test_a_declaration_the_battery_cannot_apply_is_an_error(kwargs, message):
   """A misspelt pass would otherwise be accepted and never applied."""
   from parity.pairs.adapter import KnownDifference

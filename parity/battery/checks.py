@@ -988,28 +988,50 @@ def check_memory(pair: adapter.Pair) -> list[str]:
     mem[1], accounted = runner.without_nnx_only(account(), *mem, runs.compiled('linen'), runs.compiled('nnx'), device)
   drift = runner.memory_drift(*mem)
   known = pair.program_difference()
-  declared = known is not None and 'memory' in known.passes
+  bound = None if known is None else known.temp_bytes(device.platform)
   if not drift:
-    loose = known.loose_structure('memory', None) if declared else ''
+    loose = known.loose_structure('memory', None, device.platform) if bound is not None else ''
     assert not loose, f'{pair.name}: {loose}'
     return accounted
-  if runner.declared_memory_admits(known, *mem):
+  if runner.declared_memory_admits(known, *mem, device.platform):
     measured = max(abs(mem[1][f] - mem[0][f]) for f in runner.LAYOUT_MOVE_MEMORY)
-    loose = known.loose_structure('memory', measured)
+    loose = known.loose_structure('memory', measured, device.platform)
     assert not loose, f'{pair.name}: {loose}'
     return [f'memory differs within the declared bound (NNX {", ".join(drift)}; at most'
-            f' {known.max_temp_bytes:,} B of temporaries, {", ".join(known.paths)}: {known.reason})']
+            f' {bound:,} B of temporaries on {device.platform}, {", ".join(known.paths)}: {known.reason})']
   linen, nnx_ = runs.compiled('linen'), runs.compiled('nnx')
   growth = programs.loop_carry_growth(
       linen.compared_text, nnx_.compared_text, linen.argument_names, nnx_.argument_names)
   raise AssertionError(
       f'{pair.name}: XLA memory analysis of the train steps differs: NNX ' + ', '.join(drift)
-      + ('' if known is None or 'memory' not in known.passes else
+      + ('' if bound is None else
          f' (beyond the declared memory difference: temporaries and peak within'
-         f' {known.max_temp_bytes:,} B each, everything else equal)')
+         f' {bound:,} B each on {device.platform}, everything else equal)')
       + (f'; in the programs, {growth}' if growth else '')
       + _memory_cause(pair, linen, nnx_, mem)
+      + _platform_unnamed(known, device.platform, mem)
   )
+
+
+def _platform_unnamed(known: adapter.KnownDifference | None, platform: str,
+                      mem: Sequence[Mapping[str, Any]]) -> str:
+  """Where the pair's memory bound is by platform and names not this one: what adding it would take
+  (the state's bytes equal, only temporaries moved), or '' (no such bound, or the state moved too)."""
+  if known is None or 'memory' not in known.passes or not isinstance(known.max_temp_bytes, tuple):
+    return ''
+  if known.temp_bytes(platform) is not None or runner.memory_drift(*mem, exclude=runner.LAYOUT_MOVE_MEMORY):
+    return ''
+  moved = max(abs(mem[1][f] - mem[0][f]) for f in runner.LAYOUT_MOVE_MEMORY)
+  return (f'\nthe declared memory difference ({", ".join(known.paths)}) names no bound on {platform}'
+          f' (max_temp_bytes={_declared_temp(known.max_temp_bytes)}); if this is the same cause here, add the'
+          f' bytes measured: max_temp_bytes={_declared_temp(known.max_temp_bytes, (platform, moved))}')
+
+
+def _declared_temp(bound: Any, extra: tuple[str, int] | None = None) -> str:
+  """A `max_temp_bytes` as a user writes it (bytes, or a mapping by platform), `extra` added."""
+  if not isinstance(bound, tuple):
+    return str(bound)
+  return repr(dict(bound + ((extra,) if extra else ())))
 
 
 def _memory_cause(pair: adapter.Pair, linen: runner.CompiledStep, nnx_: runner.CompiledStep,
@@ -1227,7 +1249,7 @@ def _suggested_declaration(pair: adapter.Pair, runs: _Runs, d: programs.ProgramD
                    f' reason="{kinds} (same numbers)")')
     advice = 'if that is the only difference, declare it (and check the memory part)'
   else:
-    temp = f', max_temp_bytes={declared.max_temp_bytes}' if declared.max_temp_bytes else ''
+    temp = f', max_temp_bytes={_declared_temp(declared.max_temp_bytes)}' if declared.max_temp_bytes else ''
     reason = f'{declared.reason}; {kinds} (same numbers)'
     declaration = (f'parity.KnownDifference({base + tuple(modules)!r}, {tuple(declared.passes)!r},'
                    f' max_changed_lines={d.changed_lines}{temp}, reason={reason!r})')

@@ -151,8 +151,14 @@ class Probe:
 PASSES = ('grads', 'train', 'eval', 'forward', 'decode', 'program', 'memory')
 # Passes whose declared difference is a bound on values (ULP): each needs a substitution.
 VALUE_PASSES = ('grads', 'train', 'eval', 'forward', 'decode')
+# The platforms a memory bound may name (jax's `Device.platform`).
+PLATFORMS = ('cpu', 'gpu', 'tpu')
 # A declared bound may be at most this many times the largest difference measured under it.
 TIGHTNESS = 4
+
+
+def _bytes(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +181,10 @@ class KnownDifference:
   by which XLA lays out the loop's buffers), XLA's memory analysis of the
   train steps may differ in the temporaries, and so the peak, by at most
   `max_temp_bytes` each; the arguments, outputs and aliased bytes (the
-  state) stay equal to the byte.
+  state) stay equal to the byte. Temporaries are the backend's: where a
+  lowering that differs moves them on one backend and not on another,
+  `max_temp_bytes` is a mapping by platform (`{'cpu': 256}`); on a platform
+  it does not name, memory is not declared and must be equal to the byte.
   `reason` (the cause, with its evidence) goes into the report and every
   failure message. A pass name the battery does not know is an error.
 
@@ -201,7 +210,7 @@ class KnownDifference:
   reason: str
   max_ulp: int = 0
   max_changed_lines: int = 0
-  max_temp_bytes: int = 0
+  max_temp_bytes: int | Mapping[str, int] = 0
   substitute: Callable[[Any], Any] | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
@@ -212,6 +221,27 @@ class KnownDifference:
     unknown = [p for p in self.passes if p not in PASSES]
     if unknown:
       raise ValueError(f'KnownDifference passes {unknown}: not passes the battery knows {PASSES}')
+    bound = self.max_temp_bytes
+    # A mapping is kept as sorted (platform, bytes) pairs, so that the declaration stays hashable
+    # and compares by value (dataclasses.replace hands the pairs back).
+    by_platform = dict(bound) if isinstance(bound, (Mapping, tuple)) else None
+    wrong = (by_platform is not None and (not by_platform or any(
+        k not in PLATFORMS or not _bytes(v) for k, v in by_platform.items()))) or (
+            by_platform is None and not _bytes(bound))
+    if wrong:
+      raise ValueError(f'KnownDifference max_temp_bytes: bytes (an int of at least 0) or a non-empty mapping'
+                       f' of platforms {PLATFORMS} to bytes, got {bound!r}')
+    if by_platform is not None:
+      object.__setattr__(self, 'max_temp_bytes', tuple(sorted(by_platform.items())))
+
+  def temp_bytes(self, platform: str) -> int | None:
+    """The bound on temporaries and peak on `platform` ('cpu', 'gpu', 'tpu'): None where memory
+    is not declared there (no 'memory' pass, or a mapping that does not name the platform)."""
+    if 'memory' not in self.passes:
+      return None
+    if isinstance(self.max_temp_bytes, tuple):
+      return dict(self.max_temp_bytes).get(platform)
+    return self.max_temp_bytes
 
   def describe(self) -> str:
     """The declaration as it reads in a failure: its paths, passes and substitute (or bound)."""
@@ -258,19 +288,26 @@ class KnownDifference:
                  f' (a bound may be at most {TIGHTNESS} times what is measured)')
     return out
 
-  def loose_structure(self, pass_name: str, measured: int | None) -> str:
-    """Why this program or memory bound is not accepted given what was measured under it
-    (changed canonical lines, or the largest temporaries' or peak's difference in bytes; None:
-    nothing differs there at all): vacuous or loose. '' when accepted."""
-    field, unit = (('max_changed_lines', 'canonical lines') if pass_name == 'program'
-                   else ('max_temp_bytes', 'B of temporaries'))
-    bound = getattr(self, field)
-    what = f'KnownDifference({self.paths}, {pass_name!r}, {field}={bound})'
+  def loose_structure(self, pass_name: str, measured: int | None, platform: str = 'cpu') -> str:
+    """Why this program or memory bound (memory: `platform`'s) is not accepted given what was
+    measured under it (changed canonical lines, or the largest temporaries' or peak's difference
+    in bytes; None: nothing differs there at all): vacuous or loose. '' when accepted."""
+    if pass_name == 'program':
+      field, unit, bound = 'max_changed_lines', 'canonical lines', self.max_changed_lines
+    else:
+      field, unit, bound = 'max_temp_bytes', 'B of temporaries', self.temp_bytes(platform)
+    shown = bound if pass_name == 'program' or not isinstance(self.max_temp_bytes, tuple) else (
+        f'{{{platform!r}: {bound}}}')
+    what = f'KnownDifference({self.paths}, {pass_name!r}, {field}={shown})'
     if measured is None:
+      if pass_name == 'memory' and isinstance(self.max_temp_bytes, tuple):
+        return (f'{what}: nothing differs under it on {platform} (the memory is the same on both sides):'
+                f' remove {platform!r} from max_temp_bytes')
       return (f'{what}: nothing differs under it (the {pass_name} is the same on both sides):'
               f" remove {pass_name!r} from its passes")
     if bound > TIGHTNESS * measured:
-      return (f'{what} is loose: the measured figure is {measured} {unit}; declare {field}={measured}'
+      suggested = measured if shown == bound else dict(self.max_temp_bytes, **{platform: measured})
+      return (f'{what} is loose: the measured figure is {measured} {unit}; declare {field}={suggested}'
               f' (a bound may be at most {TIGHTNESS} times what is measured)')
     return ''
 

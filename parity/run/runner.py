@@ -217,8 +217,9 @@ class CompareResult:
     accounted = '' if self.nnx_only_accounting is None else f'; {self.nnx_only_accounting}'
     declared = self.declared_program_difference
     if declared_memory_admits(declared, self.linen.memory, self._nnx_memory_compared):
+      bound = declared.temp_bytes(jax.devices()[0].platform)
       return (f'differs within the declared bound (NNX ' + ', '.join(drift)
-              + f'; at most {declared.max_temp_bytes:,} B of temporaries{accounted})')
+              + f'; at most {bound:,} B of temporaries{accounted})')
     return 'differs (NNX ' + ', '.join(drift) + accounted + ')'
 
   @property
@@ -499,17 +500,19 @@ MEMORY_FIELDS = ('argument_bytes', 'output_bytes', 'temp_bytes', 'alias_bytes', 
 LAYOUT_MOVE_MEMORY = ('temp_bytes', 'peak_bytes')
 
 
-def declared_memory_admits(declared: Any, linen: dict[str, Any], nnx: dict[str, Any]) -> bool:
-  """A pair's declared memory difference (parity.pairs.adapter.KnownDifference with 'memory') holds:
-  arguments, outputs and aliased bytes equal to the byte, temporaries and the peak within
-  `max_temp_bytes` each."""
-  if declared is None or 'memory' not in declared.passes:
+def declared_memory_admits(declared: Any, linen: dict[str, Any], nnx: dict[str, Any],
+                           platform: str | None = None) -> bool:
+  """A pair's declared memory difference (parity.pairs.adapter.KnownDifference with 'memory') holds
+  on `platform` (default: the first device's): arguments, outputs and aliased bytes equal to the
+  byte, temporaries and the peak within its `max_temp_bytes` there each."""
+  bound = None if declared is None else declared.temp_bytes(platform or jax.devices()[0].platform)
+  if bound is None:
     return False
   if memory_drift(linen, nnx, exclude=LAYOUT_MOVE_MEMORY):
     return False
   return all(
       linen.get(f) is not None and nnx.get(f) is not None
-      and abs(nnx[f] - linen[f]) <= declared.max_temp_bytes
+      and abs(nnx[f] - linen[f]) <= bound
       for f in LAYOUT_MOVE_MEMORY
   )
 
