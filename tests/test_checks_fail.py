@@ -14,6 +14,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -284,6 +287,22 @@ def test_state_only_nnx_keeps_undeclared_fails_the_structure_and_checkpoints():
   assert '0/calls: type: expected one of Param, BatchStat, got Calls' in message, message
 
 
+def test_state_only_nnx_keeps_is_accounted_to_the_byte_where_no_program_is_compared():
+  """`parity compare --no-program-check` (or a pair whose parts leave 'program' out): NNX's step
+  has no comparison lowering, so its memory is accounted by taking the state's bytes, and their
+  entries in the output table, off NNX's arguments and outputs (runner.without_nnx_only's other
+  branch, which the battery's memory part does not take)."""
+  from parity.pairs import adapter
+
+  pair = _pair('counted', counted=True, nnx_only=(nnx.RngState, small_pairs.Calls))
+  result = runner.compare_sides(adapter.make_pair_sides(pair, None), lambda step: pair.batch(step, 'train'), 1,
+                                program_diff=False, localize_divergence=False)
+  assert result.bitwise_equal, result.verdict()
+  assert result.memory_verdict.startswith(
+      'equal to the byte (state only NNX keeps (1 leaves, 4 B: 0/calls): NNX arguments less 4 B, outputs'
+      ' less 12 B'), result.memory_verdict
+
+
 class _ParamsOnlyRestore(_Wrapped):
   """A restore of the parameters alone, into a fresh state: its step counter back at 0."""
 
@@ -326,6 +345,71 @@ def test_dropout_keys_that_ignore_the_step_fail_the_train_part():
   message = _failure(checks.check_train, _pair('fixed_key', fixed_key=True), 'linen')
   leaves = _differing(message)
   assert 'loss/step_1' in leaves and 'loss/step_0' not in leaves, message
+
+
+def test_a_dropout_holding_its_stream_draws_each_steps_key_in_training():
+  """The kit seeds a stream the NNX model holds with the key Linen's step derives, step by step:
+  two steps of training are bitwise (a seed that ignored the step would fail step 1)."""
+  assert checks.check_train(_pair('stream_linen', stream=True, dropout_keys='linen'), 'linen') == []
+
+
+def _linen_dropout(x, key):
+  """nn.Dropout(0.5)'s formula with `key` (flax/linen/stochastic.py)."""
+  return jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x / 0.5, 0.0)
+
+
+class _DrawsTwice(nn.Module):
+  """One scope drawing make_rng('dropout') twice in a call (counts 1 and 2), dropping out with each."""
+
+  @nn.compact
+  def __call__(self, x):
+    return _linen_dropout(_linen_dropout(x, self.make_rng('dropout')) * 3.0, self.make_rng('dropout'))
+
+
+class _Outer(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return _DrawsTwice(name='inner')(x)
+
+
+class _LinenDropoutTwice(nn.Module):
+  """One nn.Dropout called twice: Linen draws counts 1 and 2 at `Dropout_0`, each call in a scope
+  object of its own."""
+
+  @nn.compact
+  def __call__(self, x):
+    drop = nn.Dropout(0.5, deterministic=False)
+    return drop(drop(x) * 3.0)
+
+
+class _NnxDropoutTwice(nnx.Module):
+  def __init__(self):
+    self.drop = nnx.Dropout(0.5)
+
+  def __call__(self, x, rngs):
+    return self.drop(self.drop(x, deterministic=False, rngs=rngs) * 3.0, deterministic=False, rngs=rngs)
+
+
+@pytest.mark.parametrize('linen_model,path', [(_Outer, 'inner'), (_LinenDropoutTwice, 'Dropout_0')],
+                         ids=['one_scope_draws_twice', 'one_dropout_called_twice'])
+def test_each_draw_at_one_linen_path_gets_its_own_count(linen_model, path):
+  """Linen draws twice at one path (counts 1 and 2); NNX's one dropout, tagged with that path, is
+  called twice: its second call draws count 2, not the first count again, and its first count 1
+  (a dropout called twice draws in two scope objects of one trace)."""
+  from parity.compare import scopes
+  from parity.core import rng
+  from parity.pairs import dropout
+
+  key = rng.step_key(rng.base_key(0), 1, 0)
+  x = jnp.arange(1.0, 257.0)
+  apply = lambda x: linen_model().apply({}, x, rngs={'dropout': key})  # noqa: E731
+  draws = dropout.linen_draws(apply, x)
+  assert draws == {path: (1, 2)}, draws
+  model = _NnxDropoutTwice()
+  scopes.tag_paths(model, {'drop': path}.get)
+  with dropout.linen_dropout_keys({}, draws) as substituted:
+    parity.assert_bitwise_equal(jax.jit(lambda x: model(x, nnx.Rngs(dropout=key)))(x), apply(x))
+  assert dict(substituted) == {path: 1, f'{path}#1': 1}
 
 
 @pytest.mark.parametrize('scheme', ['linen', 'nnx'])

@@ -59,23 +59,24 @@ def linen_draws(traced_loss: Callable[..., Any], *args: Any) -> dict[str, tuple[
 
   A count is the scope's draw number, folded into the key. Lifted transforms
   may trace a body more than once with shared counters (`nn.scan` traces it
-  once abstractly first, so its modules draw with count 2), so each path
-  keeps the counts of the last scope object that drew there: the pass whose
-  keys are used.
+  once first in the outer trace, so its modules draw with counts 1, 2, ... there
+  and go on counting in the body's own trace), so each path keeps the counts
+  drawn in the last jax trace that drew there: the pass whose keys are used. A
+  module called twice in one pass (one `nn.Dropout` applied twice) draws in
+  scope objects of its own but in one trace, and keeps both counts.
   """
   from flax.core import scope as core_scope
 
   original = core_scope.Scope.make_rng
-  last: dict[str, tuple[int, list[int]]] = {}
-  alive: list = []  # the scopes seen, kept so that their ids stay theirs
+  last: dict[str, tuple[Any, list[int]]] = {}
 
   def make_rng(self, name: str = 'params'):
     key = original(self, name)
     if name == 'dropout' and self.has_rng('dropout'):
       path = '/'.join(self.path)
-      if path not in last or last[path][0] != id(self):
-        alive.append(self)
-        last[path] = (id(self), [])
+      trace = compat.current_trace()
+      if path not in last or last[path][0] != trace:
+        last[path] = (trace, [])
       last[path][1].append(self.rng_counters[name])
     return key
 
