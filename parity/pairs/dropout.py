@@ -34,8 +34,10 @@ feed is compared bit for bit.
 
 Not covered, and left as drawn: a key array passed at the call (already the
 same on both sides when the Linen side passes it too), streams stacked more
-than once (a scan of scans), and Linen modules whose RNGs a lifted
-transform folds otherwise than `nn.scan` / `nn.vmap` split them.
+than once (a scan of scans), streams carried through a loop (a cell drawing
+dropout under `nnx.RNN`, against Linen's `nn.RNN` splitting the key per
+step), and Linen modules whose RNGs a lifted transform folds otherwise than
+`nn.scan` / `nn.vmap` split them.
 """
 from __future__ import annotations
 
