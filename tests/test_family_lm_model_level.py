@@ -15,7 +15,7 @@ from models.nnx import lm as nnx_lm
 CFG = LmConfig(attention_dropout_rate=0.1)  # stock attention on both sides, its own dropout on
 # flax's stock layer norms lower otherwise in Linen and NNX, with the same numbers (as in tests/test_family_lm.py)
 NORMS = ('LayerNorm_0', *(f'DecoderBlock_{i}/LayerNorm_{j}' for i in range(CFG.num_layers) for j in (0, 1)))
-LN = parity.KnownDifference(NORMS, ('program', 'memory'), 'stock lowering', max_changed_lines=2300, max_temp_bytes=256)
+LN = parity.KnownDifference(NORMS, ('program', 'memory'), 'stock lowering', max_changed_lines=2300, max_temp_bytes={'cpu': 256})
 lm_model_level = parity.model_pair(
     'lm_model_level', linen=linen_lm.LanguageModel(CFG), nnx=lambda rngs: nnx_lm.LanguageModel(CFG, rngs=rngs),
     inputs=lambda b: b['tokens'][:, :-1], loss=lambda logits, b: linen_lm.next_token_loss(logits, b['tokens']),

@@ -633,6 +633,32 @@ def test_a_declared_memory_difference_admits_temporaries_within_its_bound(nnx_ch
   assert runner.declared_memory_admits(by_platform, MEMORY, result.nnx.memory, 'gpu') is admitted
   assert not runner.declared_memory_admits(by_platform, MEMORY, result.nnx.memory, 'cpu')
   assert by_platform.temp_bytes('gpu') == 64 and by_platform.temp_bytes('cpu') is None
+  # The comparison's verdict reads the bound of the platform it ran on (the CPU here).
+  for bound, holds in (({'cpu': 64}, admitted), ({'gpu': 64}, False)):
+    run = dataclasses.replace(result, declared_program_difference=dataclasses.replace(declared, max_temp_bytes=bound))
+    assert run.same_program is holds, bound
+    assert run.memory_verdict.startswith('differs within the declared bound' if holds else 'differs (NNX'), bound
+
+
+@pytest.mark.parametrize('bound,measured,message', [
+    ({'cpu': 256, 'gpu': 64}, None, "max_temp_bytes={'cpu': 256, 'gpu': 64}): nothing differs under it on cpu"
+                                    " (the memory is the same on both sides): remove 'cpu' from max_temp_bytes"),
+    ({'cpu': 256}, None, "max_temp_bytes={'cpu': 256}): nothing differs under it (the memory is the same on both"
+                         " sides): remove 'memory' from its passes and max_temp_bytes"),
+    ({'cpu': 256, 'gpu': 64}, 10, "max_temp_bytes={'cpu': 256, 'gpu': 64}) is loose: the measured figure is 10 B of"
+                                  " temporaries; declare max_temp_bytes={'cpu': 10, 'gpu': 64}"),
+    ({'cpu': 40, 'gpu': 64}, 10, ''),  # within 4 times what is measured
+    ({'gpu': 64}, 10, ''),  # no bound on the CPU: nothing to judge here
+    (256, 10, 'max_temp_bytes=256) is loose: the measured figure is 10 B of temporaries; declare max_temp_bytes=10'),
+], ids=['vacuous_here', 'vacuous_everywhere_named', 'loose', 'tight', 'another_platform', 'one_figure_loose'])
+def test_a_memory_bound_by_platform_is_judged_on_this_platform_and_the_advice_can_be_taken(bound, measured, message):
+  """Vacuous and loose, as for one figure, with advice the declaration accepts (a mapping may not
+  be emptied: where it names only this platform, 'memory' goes)."""
+  from parity.pairs.adapter import KnownDifference
+
+  known = KnownDifference(('BatchNorm_0',), ('program', 'memory'), 'r', max_temp_bytes=bound)
+  said = known.loose_structure('memory', measured, 'cpu')
+  assert (message in said) if message else said == '', said
 
 
 @pytest.mark.parametrize('kwargs,message', [
@@ -644,7 +670,10 @@ def test_a_declared_memory_difference_admits_temporaries_within_its_bound(nnx_ch
     (dict(passes=('memory',), max_temp_bytes={'cuda': 64}), r"max_temp_bytes: .* platforms \('cpu', 'gpu', 'tpu'\)"
      r" to bytes, got \{'cuda': 64\}"),
     (dict(passes=('memory',), max_temp_bytes=-64), r'max_temp_bytes: bytes \(an int of at least 0\)'),
-], ids=['unknown', 'misspelt', 'a_string', 'none', 'paths_a_string', 'memory_unknown_platform', 'memory_negative'])
+    (dict(passes=('memory',), max_temp_bytes=(('cpu', 1), ('cpu', 2))), r'max_temp_bytes: bytes .* got'),
+    (dict(passes=('memory',), max_temp_bytes=('cpu', 1)), r'max_temp_bytes: bytes .* got'),
+], ids=['unknown', 'misspelt', 'a_string', 'none', 'paths_a_string', 'memory_unknown_platform', 'memory_negative',
+        'memory_platform_twice', 'memory_not_pairs'])
 def test_a_declaration_the_battery_cannot_apply_is_an_error(kwargs, message):
   """A misspelt pass would otherwise be accepted and never applied."""
   from parity.pairs.adapter import KnownDifference

@@ -997,7 +997,7 @@ def check_memory(pair: adapter.Pair) -> list[str]:
     measured = max(abs(mem[1][f] - mem[0][f]) for f in runner.LAYOUT_MOVE_MEMORY)
     loose = known.loose_structure('memory', measured, device.platform)
     assert not loose, f'{pair.name}: {loose}'
-    return [f'memory differs within the declared bound (NNX {", ".join(drift)}; at most'
+    return accounted + [f'memory differs within the declared bound (NNX {", ".join(drift)}; at most'
             f' {bound:,} B of temporaries on {device.platform}, {", ".join(known.paths)}: {known.reason})']
   linen, nnx_ = runs.compiled('linen'), runs.compiled('nnx')
   growth = programs.loop_carry_growth(
@@ -1017,21 +1017,15 @@ def _platform_unnamed(known: adapter.KnownDifference | None, platform: str,
                       mem: Sequence[Mapping[str, Any]]) -> str:
   """Where the pair's memory bound is by platform and names not this one: what adding it would take
   (the state's bytes equal, only temporaries moved), or '' (no such bound, or the state moved too)."""
-  if known is None or 'memory' not in known.passes or not isinstance(known.max_temp_bytes, tuple):
+  if (known is None or 'memory' not in known.passes or not isinstance(known.max_temp_bytes, tuple)
+      or platform not in adapter.PLATFORMS):
     return ''
   if known.temp_bytes(platform) is not None or runner.memory_drift(*mem, exclude=runner.LAYOUT_MOVE_MEMORY):
     return ''
   moved = max(abs(mem[1][f] - mem[0][f]) for f in runner.LAYOUT_MOVE_MEMORY)
   return (f'\nthe declared memory difference ({", ".join(known.paths)}) names no bound on {platform}'
-          f' (max_temp_bytes={_declared_temp(known.max_temp_bytes)}); if this is the same cause here, add the'
-          f' bytes measured: max_temp_bytes={_declared_temp(known.max_temp_bytes, (platform, moved))}')
-
-
-def _declared_temp(bound: Any, extra: tuple[str, int] | None = None) -> str:
-  """A `max_temp_bytes` as a user writes it (bytes, or a mapping by platform), `extra` added."""
-  if not isinstance(bound, tuple):
-    return str(bound)
-  return repr(dict(bound + ((extra,) if extra else ())))
+          f' (max_temp_bytes={adapter.temp_bytes_text(known.max_temp_bytes)}); if this is the same cause here, add the'
+          f' bytes measured: max_temp_bytes={adapter.temp_bytes_text(known.max_temp_bytes, (platform, moved))}')
 
 
 def _memory_cause(pair: adapter.Pair, linen: runner.CompiledStep, nnx_: runner.CompiledStep,
@@ -1056,7 +1050,8 @@ def _memory_cause(pair: adapter.Pair, linen: runner.CompiledStep, nnx_: runner.C
       return (f'\nlikely cause: the declared program difference ({", ".join(known.paths)}: {known.reason}), which'
               ' holds (the programs are identical outside those modules): a lowering that differs places its'
               " temporaries otherwise. If so, declare 'memory' beside 'program' in it, with the bytes measured:"
-              f" passes={tuple(known.passes) + ('memory',)!r}, max_temp_bytes={moved}")
+              f" passes={tuple(known.passes) + ('memory',)!r}, max_temp_bytes={moved} (or, where the figure"
+              f" is this backend's alone, max_temp_bytes={{{jax.devices()[0].platform!r}: {moved}}})")
   return ('\nlikely cause: the train steps\' programs differ, and XLA\'s memory follows the program. The'
           f' program part\'s finding: {d.summary(loop_growth=False)}'
           + ''.join(f'\n  {line}' for line in d.parting_lines())
@@ -1249,7 +1244,7 @@ def _suggested_declaration(pair: adapter.Pair, runs: _Runs, d: programs.ProgramD
                    f' reason="{kinds} (same numbers)")')
     advice = 'if that is the only difference, declare it (and check the memory part)'
   else:
-    temp = f', max_temp_bytes={_declared_temp(declared.max_temp_bytes)}' if declared.max_temp_bytes else ''
+    temp = f', max_temp_bytes={adapter.temp_bytes_text(declared.max_temp_bytes)}' if declared.max_temp_bytes else ''
     reason = f'{declared.reason}; {kinds} (same numbers)'
     declaration = (f'parity.KnownDifference({base + tuple(modules)!r}, {tuple(declared.passes)!r},'
                    f' max_changed_lines={d.changed_lines}{temp}, reason={reason!r})')

@@ -161,6 +161,27 @@ def _bytes(value: Any) -> bool:
   return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _by_platform(bound: Any) -> dict[str, int] | None:
+  """A `max_temp_bytes` by platform as a dict (None: one figure for every platform); a value
+  that is neither bytes nor a mapping of known platforms, each named once, to bytes is refused."""
+  if _bytes(bound):
+    return None
+  pairs = list(bound.items()) if isinstance(bound, Mapping) else bound
+  ok = isinstance(pairs, (list, tuple)) and pairs and all(
+      isinstance(p, tuple) and len(p) == 2 and p[0] in PLATFORMS and _bytes(p[1]) for p in pairs)
+  if not ok or len({p[0] for p in pairs}) != len(pairs):
+    raise ValueError(f'KnownDifference max_temp_bytes: bytes (an int of at least 0) or a non-empty mapping'
+                     f' of platforms {PLATFORMS} to bytes, got {bound!r}')
+  return dict(pairs)
+
+
+def temp_bytes_text(bound: int | tuple, extra: tuple[str, int] | None = None) -> str:
+  """A `max_temp_bytes` as a user writes it (bytes, or a mapping by platform), `extra` set in it."""
+  if not isinstance(bound, tuple):
+    return str(bound)
+  return repr(dict(bound + ((extra,) if extra else ())))
+
+
 @dataclasses.dataclass(frozen=True)
 class KnownDifference:
   """A difference proven inherent to the frameworks, for the module paths it names only.
@@ -221,16 +242,9 @@ class KnownDifference:
     unknown = [p for p in self.passes if p not in PASSES]
     if unknown:
       raise ValueError(f'KnownDifference passes {unknown}: not passes the battery knows {PASSES}')
-    bound = self.max_temp_bytes
     # A mapping is kept as sorted (platform, bytes) pairs, so that the declaration stays hashable
     # and compares by value (dataclasses.replace hands the pairs back).
-    by_platform = dict(bound) if isinstance(bound, (Mapping, tuple)) else None
-    wrong = (by_platform is not None and (not by_platform or any(
-        k not in PLATFORMS or not _bytes(v) for k, v in by_platform.items()))) or (
-            by_platform is None and not _bytes(bound))
-    if wrong:
-      raise ValueError(f'KnownDifference max_temp_bytes: bytes (an int of at least 0) or a non-empty mapping'
-                       f' of platforms {PLATFORMS} to bytes, got {bound!r}')
+    by_platform = _by_platform(self.max_temp_bytes)
     if by_platform is not None:
       object.__setattr__(self, 'max_temp_bytes', tuple(sorted(by_platform.items())))
 
@@ -288,25 +302,30 @@ class KnownDifference:
                  f' (a bound may be at most {TIGHTNESS} times what is measured)')
     return out
 
-  def loose_structure(self, pass_name: str, measured: int | None, platform: str = 'cpu') -> str:
-    """Why this program or memory bound (memory: `platform`'s) is not accepted given what was
-    measured under it (changed canonical lines, or the largest temporaries' or peak's difference
-    in bytes; None: nothing differs there at all): vacuous or loose. '' when accepted."""
+  def loose_structure(self, pass_name: str, measured: int | None, platform: str | None = None) -> str:
+    """Why this program or memory bound (memory: `platform`'s, which it needs) is not accepted
+    given what was measured under it (changed canonical lines, or the largest temporaries' or
+    peak's difference in bytes; None: nothing differs there at all): vacuous or loose. '' when
+    accepted, or where no memory bound is declared on `platform`."""
     if pass_name == 'program':
-      field, unit, bound = 'max_changed_lines', 'canonical lines', self.max_changed_lines
+      field, unit, bound, shown = 'max_changed_lines', 'canonical lines', self.max_changed_lines, None
     else:
+      if platform is None:
+        raise ValueError('loose_structure: a memory bound is read for a platform; none given')
       field, unit, bound = 'max_temp_bytes', 'B of temporaries', self.temp_bytes(platform)
-    shown = bound if pass_name == 'program' or not isinstance(self.max_temp_bytes, tuple) else (
-        f'{{{platform!r}: {bound}}}')
-    what = f'KnownDifference({self.paths}, {pass_name!r}, {field}={shown})'
+      if bound is None:
+        return ''
+      shown = temp_bytes_text(self.max_temp_bytes)
+    what = f'KnownDifference({self.paths}, {pass_name!r}, {field}={bound if shown is None else shown})'
+    by_platform = shown is not None and isinstance(self.max_temp_bytes, tuple)
     if measured is None:
-      if pass_name == 'memory' and isinstance(self.max_temp_bytes, tuple):
+      if by_platform and len(self.max_temp_bytes) > 1:
         return (f'{what}: nothing differs under it on {platform} (the memory is the same on both sides):'
                 f' remove {platform!r} from max_temp_bytes')
       return (f'{what}: nothing differs under it (the {pass_name} is the same on both sides):'
-              f" remove {pass_name!r} from its passes")
+              f" remove {pass_name!r} from its passes" + (' and max_temp_bytes' if by_platform else ''))
     if bound > TIGHTNESS * measured:
-      suggested = measured if shown == bound else dict(self.max_temp_bytes, **{platform: measured})
+      suggested = temp_bytes_text(self.max_temp_bytes, (platform, measured)) if by_platform else measured
       return (f'{what} is loose: the measured figure is {measured} {unit}; declare {field}={suggested}'
               f' (a bound may be at most {TIGHTNESS} times what is measured)')
     return ''

@@ -36,7 +36,8 @@ Not covered, and left as drawn: a key array passed at the call (already the
 same on both sides when the Linen side passes it too), streams stacked more
 than once (a scan of scans), streams carried through a loop (a cell drawing
 dropout under `nnx.RNN`, against Linen's `nn.RNN` splitting the key per
-step), and Linen modules whose RNGs a lifted transform folds otherwise than
+step), a Linen module that draws both outside and inside a lifted transform
+in one pass (`linen_draws`), and Linen modules whose RNGs a lifted transform folds otherwise than
 `nn.scan` / `nn.vmap` split them.
 """
 from __future__ import annotations
@@ -61,11 +62,13 @@ def linen_draws(traced_loss: Callable[..., Any], *args: Any) -> dict[str, tuple[
 
   A count is the scope's draw number, folded into the key. Lifted transforms
   may trace a body more than once with shared counters (`nn.scan` traces it
-  once first in the outer trace, so its modules draw with counts 1, 2, ... there
-  and go on counting in the body's own trace), so each path keeps the counts
-  drawn in the last jax trace that drew there: the pass whose keys are used. A
-  module called twice in one pass (one `nn.Dropout` applied twice) draws in
-  scope objects of its own but in one trace, and keeps both counts.
+  first in a trace of its own, to find its broadcast values, and its modules
+  go on counting in the body's trace), so each path keeps the counts drawn in
+  the last jax trace that drew there: the pass whose keys are used. A module
+  called twice in one pass (one `nn.Dropout` applied twice) draws in scope
+  objects of its own but in one trace, and keeps both counts. Not told apart:
+  one module drawing on both sides of a lifted boundary in one pass (outside
+  and inside an `nn.remat`, say), which keeps the last trace's counts only.
   """
   from flax.core import scope as core_scope
 
