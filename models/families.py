@@ -325,6 +325,9 @@ class RnnConfig:
   seq_len: int = 9  # 8 inputs, each position's next token its target
   batch_size: int = 8
   dropout_rate: float = 0.1
+  # Dropout of the hidden state entering each step, a mask of its own per step (flax has no stock
+  # recurrent dropout: the cells are models/*/rnn.py's own); 0 runs flax's stock LSTM cell alone.
+  recurrent_dropout_rate: float = 0.0
   learning_rate: float = 3e-3
   seed: int = 0
 

@@ -1,7 +1,9 @@
 """The sixth family: a recurrent language model from flax's stock layers (`nn.RNN` over an
-`nn.LSTMCell` against `nnx.RNN` over an `nnx.LSTMCell`), with stock dropout on, declared as a
-user would: no renames (inferred, though Linen keeps the cell beside `RNN_0` where NNX nests it
-in `rnn`), and one declared difference, the loop flax's two RNNs scan with.
+`nn.LSTMCell` against `nnx.RNN` over an `nnx.LSTMCell`), with stock dropout on and recurrent
+dropout (the cell's hidden state dropped out at every step, a mask per step: a cell of the
+model's own around flax's, as flax has none), declared as a user would: no renames (inferred,
+though Linen keeps the cell beside `RNN_0` where NNX nests it in `rnn`), and one declared
+difference, the loop flax's two RNNs scan with.
 """
 # --- glue ---
 import functools
@@ -11,7 +13,7 @@ from models.families import RnnConfig, rnn_batch
 from models.linen import rnn as linen_rnn
 from models.nnx import rnn as nnx_rnn
 
-CFG = RnnConfig()
+CFG = RnnConfig(recurrent_dropout_rate=0.1)
 
 
 def make_sides(mesh):
@@ -50,11 +52,14 @@ def _calls(cfg=CFG):
 
 def test_the_linen_cell_is_one_call_and_pairs_with_the_nnx_rnns_cell():
   """flax's nn.scan traces its body once more to check its broadcast values: not a module call.
-  `RNN_0` owns no parameters (its cell is the model's `LSTMCell_0`); it still pairs with `rnn`."""
+  `RNN_0` owns no parameters (its cell is the model's `RecurrentDropoutLSTMCell_0`); it still pairs
+  with `rnn`."""
   linen_calls, nnx_calls = _calls()
-  assert [c.key for c in linen_calls if c.path == 'LSTMCell_0'] == ['LSTMCell_0']
+  cell = 'RecurrentDropoutLSTMCell_0'
+  assert [c.key for c in linen_calls if c.path == cell] == [cell]
   rules = dict(correspond.infer(linen_calls, nnx_calls).renames.rules)
-  assert rules['RNN_0'] == 'rnn' and rules['LSTMCell_0'] == 'rnn/cell', rules
+  assert rules['RNN_0'] == 'rnn' and rules[cell] == 'rnn/cell', rules
+  assert rules[f'{cell}/LSTMCell_0'] == 'rnn/cell/lstm' and rules[f'{cell}/Dropout_0'] == 'rnn/cell/dropout', rules
 
 
 def test_a_layer_whose_two_flax_versions_hold_other_parameters_is_named_as_such(monkeypatch):
@@ -65,13 +70,30 @@ def test_a_layer_whose_two_flax_versions_hold_other_parameters_is_named_as_such(
   with pytest.raises(correspond.CorrespondenceError) as failure:
     correspond.infer(*_calls())
   message = str(failure.value)
-  assert ('Linen OptimizedLSTMCell_0 (OptimizedLSTMCell) and NNX rnn/cell (OptimizedLSTMCell) are the same layer'
+  assert ('Linen RecurrentDropoutLSTMCell_0/OptimizedLSTMCell_0 (OptimizedLSTMCell) and NNX rnn/cell/lstm'
+          ' (OptimizedLSTMCell) are the same layer'
           ' at the same place, but hold other parameters') in message, message
   assert 'no rename pairs them' in message, message
 
 
 def _pair(name, sides=make_sides, **kwargs):
   return parity.Pair(name, sides, functools.partial(rnn_batch, CFG), **kwargs)
+
+
+@pytest.mark.xdist_group('parity-rnn')
+def test_the_recurrent_dropout_draws_each_steps_key_as_linens_split(monkeypatch):
+  """The kit gives the cell's stream one key per step, as nn.RNN's `split_rngs` does: without it
+  (nnx.RNN carries the stream, one key for every step) the grads part fails at the cell's dropout,
+  from step 1 (step 0 drops out the initial carry, zeros under any mask)."""
+  from parity.battery import checks
+  from parity.pairs import dropout
+
+  monkeypatch.setattr(dropout, '_rnn_with_steps_keys', lambda original: original)
+  with pytest.raises(AssertionError) as failure:
+    checks.check_grads(_pair('rnn_carried_stream', parts=('grads',)))
+  message = str(failure.value)
+  assert ('forward pass: first differs at module RecurrentDropoutLSTMCell_0/1/Dropout_0 (NNX: rnn/cell/1/dropout)'
+          in message), message
 
 
 @pytest.mark.exhaustive
@@ -98,7 +120,7 @@ def test_a_bug_planted_in_the_nnx_cell_fails_and_the_localizer_names_the_cell(mo
 
     def create(seed):
       model, optimizer = nnx_rnn.create_train_state(CFG, seed)
-      model.rnn.cell.gate_fn = nnx.hard_sigmoid  # stock: sigmoid, as Linen's
+      model.rnn.cell.lstm.gate_fn = nnx.hard_sigmoid  # stock: sigmoid, as Linen's
       return model, optimizer
 
     return linen, dataclasses.replace(nnx_side, create=create)
@@ -106,7 +128,9 @@ def test_a_bug_planted_in_the_nnx_cell_fails_and_the_localizer_names_the_cell(mo
   with pytest.raises(AssertionError) as failure:
     checks.check_grads(_pair('rnn_gate', sides, parts=('grads',)))
   message = str(failure.value)
-  assert 'forward pass: first differs at module LSTMCell_0' in message, message
+  # The cell's step 0 (the loop's first iteration), named on both sides.
+  assert ('forward pass: first differs at module RecurrentDropoutLSTMCell_0/0/LSTMCell_0 (NNX: rnn/cell/0/lstm)'
+          in message), message
 
 
 def result_line(text: str, label: str) -> str:
@@ -127,7 +151,7 @@ def test_a_memory_bound_by_platform_holds_on_the_platforms_it_names_only(declare
   pair = _pair('rnn_memory', parts=('memory',),
                known_differences=(dataclasses.replace(RNN_LOOP, max_temp_bytes=declared),))
   if passes:
-    assert checks.check_memory(pair)[0].endswith(f'on cpu, RNN_0: {RNN_LOOP.reason})'), checks.check_memory(pair)
+    assert checks.check_memory(pair)[-1].endswith(f'on cpu, RNN_0: {RNN_LOOP.reason})'), checks.check_memory(pair)
     return
   with pytest.raises(AssertionError) as failure:
     checks.check_memory(pair)

@@ -29,7 +29,8 @@ weighing the same), fp8 state (not updated) or remat policy (saving
 everything: another program and other temporaries). Then the convolutional
 classifier (on `data=8` too), the encoder (stock attention's declared
 difference named by the localizer), the language model, the recurrent
-model's inferred pairing, the production-shaped pair and
+model's inferred pairing and its recurrent dropout's training, the
+production-shaped pair and
 the half-migrated steps; the localizer's own tests on small
 planted breaks; the bridge, comparison, report, converter, launcher and
 plugin tests that compile little (a pair declared in a fresh directory
@@ -110,9 +111,10 @@ EXHAUSTIVE_PARTS = {
        for part in ('specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'convert', 'mesh',
                     'localize')},
     **{('rnn', part): "the recurrent pair's numbers, checkpoints, placements and programs: stock layers"
-       ' as the language model proves them; the core tier keeps the inferred pairing (structure),'
-       " and a declared module's own loop on a small program (tests/test_program_parity.py)"
-       for part in ('specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'convert', 'mesh',
+       ' as the language model proves them; the core tier keeps the inferred pairing (structure), its'
+       ' recurrent dropout bit for bit over the steps (train: a key per step in the loop, as Linen splits'
+       " it), and a declared module's own loop on a small program (tests/test_program_parity.py)"
+       for part in ('specs', 'init', 'grads', 'eval', 'checkpoints', 'resume', 'convert', 'mesh',
                     'memory', 'program', 'localize')},
     **{('lm_model_level', part): "the model-level language model's layout, placements and localizer: the"
        " family's own pair proves them on the same models; the core tier keeps what the kit writes, its"

@@ -22,6 +22,29 @@ from models.families import RnnConfig
 from models.linen.lm import eval_step, forward, loss_fn, next_token_loss, train_step  # noqa: F401
 
 
+class RecurrentDropoutLSTMCell(nn.RNNCellBase):
+  """flax's LSTM cell with its incoming hidden state dropped out at every step, a mask per step:
+  `nn.RNN` splits the 'dropout' key over the steps (`split_rngs`), each step's `make_rng` folds
+  in the path and count."""
+  features: int
+  rate: float
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, carry, inputs):
+    c, h = carry
+    h = nn.Dropout(self.rate)(h, deterministic=self.deterministic)
+    return nn.LSTMCell(self.features)((c, h), inputs)
+
+  @nn.nowrap
+  def initialize_carry(self, rng, input_shape):
+    return nn.LSTMCell(self.features, parent=None).initialize_carry(rng, input_shape)
+
+  @property
+  def num_feature_axes(self) -> int:
+    return 1
+
+
 class RecurrentLM(nn.Module):
   cfg: RnnConfig
 
@@ -29,7 +52,11 @@ class RecurrentLM(nn.Module):
   def __call__(self, tokens, train: bool = False):
     cfg = self.cfg
     x = nn.Embed(cfg.vocab_size, cfg.emb_dim)(tokens)
-    x = nn.RNN(nn.LSTMCell(cfg.hidden))(x)
+    if cfg.recurrent_dropout_rate:
+      cell = RecurrentDropoutLSTMCell(cfg.hidden, cfg.recurrent_dropout_rate, deterministic=not train)
+      x = nn.RNN(cell, split_rngs={'params': False, 'dropout': True})(x)
+    else:
+      x = nn.RNN(nn.LSTMCell(cfg.hidden))(x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=not train)
     return nn.Dense(cfg.vocab_size)(x)
 

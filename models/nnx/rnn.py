@@ -20,15 +20,41 @@ from models.families import RnnConfig
 from models.nnx.lm import eval_step, forward, loss_fn, next_token_loss, train_step  # noqa: F401
 
 
+class RecurrentDropoutLSTMCell(nnx.RNNCellBase):
+  """flax's LSTM cell with its incoming hidden state dropped out at every step: the dropout keeps
+  its stream (`nnx.RNN` calls a cell with no key), which the loop carries from step to step."""
+
+  def __init__(self, in_features: int, features: int, rate: float, *, rngs: nnx.Rngs):
+    self.dropout = nnx.Dropout(rate, rngs=rngs)
+    self.lstm = nnx.LSTMCell(in_features, features, rngs=rngs)
+
+  def __call__(self, carry, inputs):
+    c, h = carry
+    return self.lstm((c, self.dropout(h)), inputs)
+
+  def initialize_carry(self, input_shape, rngs=None):
+    return self.lstm.initialize_carry(input_shape, rngs)
+
+  @property
+  def num_feature_axes(self) -> int:
+    return 1
+
+
 class RecurrentLM(nnx.Module):
 
   def __init__(self, cfg: RnnConfig, *, rngs: nnx.Rngs):
     self.embed = nnx.Embed(cfg.vocab_size, cfg.emb_dim, rngs=rngs)
-    self.rnn = nnx.RNN(nnx.LSTMCell(cfg.emb_dim, cfg.hidden, rngs=rngs))
+    if cfg.recurrent_dropout_rate:
+      cell = RecurrentDropoutLSTMCell(cfg.emb_dim, cfg.hidden, cfg.recurrent_dropout_rate, rngs=rngs)
+    else:
+      cell = nnx.LSTMCell(cfg.emb_dim, cfg.hidden, rngs=rngs)
+    self.rnn = nnx.RNN(cell)
     self.dropout = nnx.Dropout(cfg.dropout_rate)
     self.head = nnx.Linear(cfg.hidden, cfg.vocab_size, rngs=rngs)
 
   def __call__(self, tokens, train: bool = False, rngs: nnx.Rngs | None = None):
+    if isinstance(self.rnn.cell, RecurrentDropoutLSTMCell):
+      self.rnn.cell.dropout.deterministic = not train  # Linen's cell is made with it
     x = self.rnn(self.embed(tokens))
     x = self.dropout(x, deterministic=not train, rngs=rngs)
     return self.head(x)
@@ -39,5 +65,6 @@ def make_optimizer(cfg: RnnConfig) -> optax.GradientTransformation:
 
 
 def create_train_state(cfg: RnnConfig, seed: int) -> tuple[RecurrentLM, nnx.Optimizer]:
-  model = RecurrentLM(cfg, rngs=nnx.Rngs(params=seed))
+  # The recurrent dropout keeps a stream of its own (drawn from only where its rate is not 0).
+  model = RecurrentLM(cfg, rngs=nnx.Rngs(params=seed, dropout=seed))
   return model, nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)

@@ -525,10 +525,25 @@ def nnx_names(keys, made_as: dict[str, str], to_nnx: Callable[[str], str]) -> di
   out = {}
   for key in keys:
     module, suffix = _split_call(made_as.get(key, key))
-    own = (module if module == ROOT else to_nnx(module)) + suffix
+    own = (module if module == ROOT else _layer_renamed(module, to_nnx)) + suffix
     if own != key:
       out[key] = own
   return out
+
+
+def _layer_renamed(module: str, to_nnx: Callable[[str], str]) -> str:
+  """`to_nnx(module)` for a module inside a scanned body, `<stack>/<i>/<rest>` (the layer, or the
+  step, i of the loop): the renames are of paths without the index, which goes back after the
+  stack's NNX path."""
+  parts = module.split('/')
+  at = next((i for i, part in enumerate(parts) if i and part.isdigit()), None)
+  if at is None:
+    return to_nnx(module)
+  stack = to_nnx('/'.join(parts[:at]))
+  whole = to_nnx('/'.join(parts[:at] + parts[at + 1:]))
+  if at + 1 < len(parts) and whole.startswith(stack + '/'):
+    return f'{stack}/{parts[at]}{whole[len(stack):]}'
+  return to_nnx(module)
 
 
 # ---------------------------------------------------------------------------

@@ -24,7 +24,11 @@ own key comes from:
   `jax.lax.scan`, `nnx.scan` or vmapped) gets `jax.random.split(root, L)`,
   one key per layer, which is what Linen's `nn.scan` / `nn.vmap` with
   `split_rngs={'dropout': True}` gives each layer before folding in the
-  module's path.
+  module's path;
+- a stream the cell of an `nnx.RNN` keeps (recurrent dropout), which the
+  loop would carry, one key for every step: while the kit traces, the RNN
+  scans it instead, `jax.random.split(key, T)`, one key per step, as
+  Linen's `nn.RNN(..., split_rngs={'dropout': True})` splits it.
 
 So does the attention dropout of an `nnx.MultiHeadAttention` (Linen's
 `MultiHeadDotProductAttention` draws `make_rng('dropout')` in its own
@@ -34,9 +38,7 @@ feed is compared bit for bit.
 
 Not covered, and left as drawn: a key array passed at the call (already the
 same on both sides when the Linen side passes it too), streams stacked more
-than once (a scan of scans), streams carried through a loop (a cell drawing
-dropout under `nnx.RNN`, against Linen's `nn.RNN` splitting the key per
-step), a Linen module that draws both outside and inside a lifted transform
+than once (a scan of scans), a Linen module that draws both outside and inside a lifted transform
 in one pass (`linen_draws`), and Linen modules whose RNGs a lifted transform folds otherwise than
 `nn.scan` / `nn.vmap` split them.
 """
@@ -177,11 +179,53 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
 
   nnx.Dropout.__call__ = __call__
   nnx.MultiHeadAttention.__call__ = attention
+  nnx.RNN.__call__ = _rnn_with_steps_keys(original_rnn := nnx.RNN.__call__)
   try:
     yield substituted
   finally:
     nnx.Dropout.__call__ = original
     nnx.MultiHeadAttention.__call__ = original_attention
+    nnx.RNN.__call__ = original_rnn
+
+
+def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
+  """`nnx.RNN.__call__` where its cell keeps dropout streams: each enters the loop as one key per
+  step, `jax.random.split(key, T)` scanned, as Linen's `nn.RNN(..., split_rngs={'dropout': True})`
+  splits the key over the T steps (nnx.RNN would carry the stream, one key for every step). After
+  the loop each stream holds its key again, its count advanced as the carried loop advances it."""
+
+  def __call__(self, inputs, **kwargs):
+    held = held_streams(self.cell)
+    if not held:
+      return original(self, inputs, **kwargs)
+    streams = [stream for _, stream in held]
+    time_major = kwargs.get('time_major')
+    time_major = self.time_major if time_major is None else time_major
+    steps = inputs.shape[0 if time_major else inputs.ndim - (self.cell.num_feature_axes + 1)]
+    before = [(stream, stream.key[...], stream.count[...]) for stream in streams]
+    for stream, key, count in before:
+      if key.ndim != (0 if _typed(key) else 1):
+        raise NotImplementedError(
+            f'a dropout stream stacked over layers (key shape {key.shape}) in the cell of an nnx.RNN: the kit'
+            ' gives a recurrent cell one key per step, from a stream of one key')
+      compat.set_variable_value(stream.key, jax.random.split(key, steps))
+      compat.set_variable_value(stream.count, jnp.broadcast_to(count, (steps,)))
+    # By path in the cell (the loop's copies of the cell hold other objects): the streams' keys and counts.
+    prefixes = [tuple(path.split('/')) for path, _ in held]
+    per_step = lambda path, value: any(tuple(map(str, path[:len(p)])) == p for p in prefixes)  # noqa: E731
+    axes = self.state_axes
+    self.state_axes = nnx.StateAxes(((per_step, 0),) + tuple(zip(axes.filters, axes.axes)))
+    try:
+      out = original(self, inputs, **kwargs)
+    finally:
+      self.state_axes = axes
+    for stream, key, count in before:
+      drawn = stream.count[...][0] - count  # each step's draws
+      compat.set_variable_value(stream.key, key)
+      compat.set_variable_value(stream.count, count + drawn * steps)
+    return out
+
+  return __call__
 
 
 def _held(module) -> Any:
