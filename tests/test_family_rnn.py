@@ -1,7 +1,7 @@
-"""The sixth family: a recurrent language model from flax's stock layers (`nn.RNN` over an
-`nn.LSTMCell` against `nnx.RNN` over an `nnx.LSTMCell`), with stock dropout on and recurrent
-dropout (the cell's hidden state dropped out at every step, a mask per step: a cell of the
-model's own around flax's, as flax has none), declared as a user would: no renames (inferred,
+"""The sixth family: a recurrent language model from flax's stock layers (`nn.RNN` against
+`nnx.RNN`, each over a cell of the model's own around flax's `LSTMCell`: recurrent dropout of
+the hidden state at every step, a mask per step, which flax has none of), with stock dropout
+on too, declared as a user would: no renames (inferred,
 though Linen keeps the cell beside `RNN_0` where NNX nests it in `rnn`), and one declared
 difference, the loop flax's two RNNs scan with.
 """
@@ -190,3 +190,24 @@ def test_an_nnx_loss_with_aux_outputs_is_taken_with_has_aux():
     return linen, dataclasses.replace(nnx_side, loss=with_logits, has_aux=True)
 
   checks.check_grads(_pair('rnn_aux', sides, parts=('grads',)))
+
+
+def test_after_the_loop_the_cells_stream_holds_its_key_and_the_count_the_loop_leaves():
+  """The kit scans the cell's stream over the steps while it traces; afterwards the stream holds
+  its key again and the count the carried loop would leave (one draw a step): the same state."""
+  import contextlib
+
+  import jax.numpy as jnp
+
+  from parity.pairs import dropout
+
+  def run(kit):
+    model = nnx_rnn.RecurrentLM(CFG, rngs=nnx.Rngs(params=0, dropout=0))
+    with dropout.linen_dropout_keys() if kit else contextlib.nullcontext():
+      model(jnp.zeros((2, 5), jnp.int32), train=True, rngs=nnx.Rngs(dropout=1))
+    stream = model.rnn.cell.dropout.rngs
+    return jax.random.key_data(stream.key[...]), stream.count[...]
+
+  (key, count), (kit_key, kit_count) = run(False), run(True)
+  assert int(count) == 5 and int(kit_count) == int(count), (count, kit_count)
+  assert kit_count.dtype == count.dtype and bool(jnp.all(kit_key == key)), (kit_key, key)

@@ -1,12 +1,13 @@
 """A small recurrent language model from flax's stock Linen layers, and its train state.
 
-Mirrors models/nnx/rnn.py: `nn.Embed`, `nn.RNN` over an `nn.LSTMCell`, stock
-dropout drawing from `make_rng('dropout')`, a dense head; flax's stock
+Mirrors models/nnx/rnn.py: `nn.Embed`, `nn.RNN` over an `nn.LSTMCell` (or, with
+recurrent dropout, the model's `RecurrentDropoutLSTMCell` around one, the key
+split per step), stock dropout drawing from `make_rng('dropout')`, a dense head; flax's stock
 `TrainState` and adamw. The train and eval steps are the language model's
 (models/linen/lm.py), which read only the state's `apply_fn`. Layers keep
 Linen's automatic names: the cell, made in the model's scope and handed to
-`nn.RNN`, is `LSTMCell_0` beside `RNN_0` (which owns no parameters), where
-NNX nests it as `rnn/cell`.
+`nn.RNN`, is `LSTMCell_0` (or `RecurrentDropoutLSTMCell_0`) beside `RNN_0`
+(which owns no parameters), where NNX nests it as `rnn/cell`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """A small recurrent language model from flax's stock NNX layers.
 
 Mirrors models/linen/rnn.py class for class: `nnx.Embed`, `nnx.RNN` over an
-`nnx.LSTMCell`, `nnx.Dropout` given its key at the call
+`nnx.LSTMCell` (or, with recurrent dropout, the model's `RecurrentDropoutLSTMCell`
+around one, its dropout keeping its stream), `nnx.Dropout` given its key at the call
 (`rngs=nnx.Rngs(dropout=key)`), a linear head; the stock `nnx.Optimizer`
 and adamw. The train and eval steps are the language model's
 (models/nnx/lm.py), which only call the model. `nnx.RNN` scans its cell
@@ -53,8 +54,9 @@ class RecurrentLM(nnx.Module):
     self.head = nnx.Linear(cfg.hidden, cfg.vocab_size, rngs=rngs)
 
   def __call__(self, tokens, train: bool = False, rngs: nnx.Rngs | None = None):
-    if isinstance(self.rnn.cell, RecurrentDropoutLSTMCell):
-      self.rnn.cell.dropout.deterministic = not train  # Linen's cell is made with it
+    cell = self.rnn.cell
+    if isinstance(cell, RecurrentDropoutLSTMCell) and cell.dropout.deterministic != (not train):
+      cell.dropout.deterministic = not train  # as Linen's cell is made; `train` wins over model.eval()
     x = self.rnn(self.embed(tokens))
     x = self.dropout(x, deterministic=not train, rngs=rngs)
     return self.head(x)

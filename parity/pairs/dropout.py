@@ -38,7 +38,9 @@ feed is compared bit for bit.
 
 Not covered, and left as drawn: a key array passed at the call (already the
 same on both sides when the Linen side passes it too), streams stacked more
-than once (a scan of scans), a Linen module that draws both outside and inside a lifted transform
+than once (a scan of scans), one `nnx.RNN` with recurrent dropout called twice in one step (each
+call counts its draws from the first again), an `nnx.RNN` given `broadcast_rngs` (one mask for
+every step: left as drawn), a Linen module that draws both outside and inside a lifted transform
 in one pass (`linen_draws`), and Linen modules whose RNGs a lifted transform folds otherwise than
 `nn.scan` / `nn.vmap` split them.
 """
@@ -196,7 +198,9 @@ def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
 
   def __call__(self, inputs, **kwargs):
     held = held_streams(self.cell)
-    if not held:
+    # A cell without streams, or an RNN broadcasting RNG state its user chose (one mask for every
+    # step, as Linen's split_rngs={'dropout': False}), is left as it is.
+    if not held or self.broadcast_rngs is not None:
       return original(self, inputs, **kwargs)
     streams = [stream for _, stream in held]
     time_major = kwargs.get('time_major')
@@ -206,24 +210,24 @@ def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
     for stream, key, count in before:
       if key.ndim != (0 if _typed(key) else 1):
         raise NotImplementedError(
-            f'a dropout stream stacked over layers (key shape {key.shape}) in the cell of an nnx.RNN: the kit'
+            f'a dropout stream of more than one key (shape {key.shape}) in the cell of an nnx.RNN: the kit'
             ' gives a recurrent cell one key per step, from a stream of one key')
       compat.set_variable_value(stream.key, jax.random.split(key, steps))
       compat.set_variable_value(stream.count, jnp.broadcast_to(count, (steps,)))
-    # By path in the cell (the loop's copies of the cell hold other objects): the streams' keys and counts.
-    prefixes = [tuple(path.split('/')) for path, _ in held]
+    # By path in the cell (the loop's copies of the cell hold other objects): the streams' own key
+    # and count, kept as the module's `rngs` (`_held`), not the module's other variables.
+    prefixes = [tuple(path.split('/')) + ('rngs',) for path, _ in held]
     per_step = lambda path, value: any(tuple(map(str, path[:len(p)])) == p for p in prefixes)  # noqa: E731
     axes = self.state_axes
-    self.state_axes = nnx.StateAxes(((per_step, 0),) + tuple(zip(axes.filters, axes.axes)))
+    self.state_axes = nnx.StateAxes(((per_step, 0),) + tuple(axes.items()))
     try:
-      out = original(self, inputs, **kwargs)
+      return original(self, inputs, **kwargs)
     finally:
       self.state_axes = axes
-    for stream, key, count in before:
-      drawn = stream.count[...][0] - count  # each step's draws
-      compat.set_variable_value(stream.key, key)
-      compat.set_variable_value(stream.count, count + drawn * steps)
-    return out
+      for stream, key, count in before:
+        drawn = jnp.sum(stream.count[...] - count, dtype=count.dtype)  # every step's draws
+        compat.set_variable_value(stream.key, key)
+        compat.set_variable_value(stream.count, count + drawn)
 
   return __call__
 
