@@ -539,11 +539,12 @@ def _layer_renamed(module: str, to_nnx: Callable[[str], str]) -> str:
   at = next((i for i, part in enumerate(parts) if i and part.isdigit()), None)
   if at is None:
     return to_nnx(module)
-  stack = to_nnx('/'.join(parts[:at]))
+  stack, plain = to_nnx('/'.join(parts[:at])), to_nnx(module)
   whole = to_nnx('/'.join(parts[:at] + parts[at + 1:]))
-  if at + 1 < len(parts) and whole.startswith(stack + '/'):
+  # A rename of the index itself (a Linen module named '0') stands as the renames give it.
+  if at + 1 < len(parts) and whole.startswith(stack + '/') and plain.startswith(f'{stack}/{parts[at]}/'):
     return f'{stack}/{parts[at]}{whole[len(stack):]}'
-  return to_nnx(module)
+  return plain
 
 
 # ---------------------------------------------------------------------------
