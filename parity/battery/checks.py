@@ -994,7 +994,7 @@ def check_memory(pair: adapter.Pair) -> list[str]:
     assert not loose, f'{pair.name}: {loose}'
     return accounted
   if runner.declared_memory_admits(known, *mem, device.platform):
-    measured = max(abs(mem[1][f] - mem[0][f]) for f in runner.LAYOUT_MOVE_MEMORY)
+    measured = runner.temporaries_moved(*mem)
     loose = known.loose_structure('memory', measured, device.platform)
     assert not loose, f'{pair.name}: {loose}'
     return accounted + [f'memory differs within the declared bound (NNX {", ".join(drift)}; at most'
@@ -1008,7 +1008,7 @@ def check_memory(pair: adapter.Pair) -> list[str]:
          f' (beyond the declared memory difference: temporaries and peak within'
          f' {bound:,} B each on {device.platform}, everything else equal)')
       + (f'; in the programs, {growth}' if growth else '')
-      + _memory_cause(pair, linen, nnx_, mem)
+      + _memory_cause(pair, linen, nnx_, mem, device.platform)
       + _platform_unnamed(known, device.platform, mem)
   )
 
@@ -1022,14 +1022,14 @@ def _platform_unnamed(known: adapter.KnownDifference | None, platform: str,
     return ''
   if known.temp_bytes(platform) is not None or runner.memory_drift(*mem, exclude=runner.LAYOUT_MOVE_MEMORY):
     return ''
-  moved = max(abs(mem[1][f] - mem[0][f]) for f in runner.LAYOUT_MOVE_MEMORY)
+  moved = runner.temporaries_moved(*mem)
   return (f'\nthe declared memory difference ({", ".join(known.paths)}) names no bound on {platform}'
           f' (max_temp_bytes={adapter.temp_bytes_text(known.max_temp_bytes)}); if this is the same cause here, add the'
           f' bytes measured: max_temp_bytes={adapter.temp_bytes_text(known.max_temp_bytes, (platform, moved))}')
 
 
 def _memory_cause(pair: adapter.Pair, linen: runner.CompiledStep, nnx_: runner.CompiledStep,
-                  mem: Sequence[Mapping[str, Any]]) -> str:
+                  mem: Sequence[Mapping[str, Any]], platform: str) -> str:
   """The likely cause of a memory difference, from the program comparison (the program part's
   finding): XLA's memory follows the program, so a program that differs is named with where it
   parts; a declared program difference that holds, with the memory declaration it lacks; the
@@ -1046,12 +1046,12 @@ def _memory_cause(pair: adapter.Pair, linen: runner.CompiledStep, nnx_: runner.C
     outside = runner.program_diff_of(linen, nnx_, tuple(known.paths))
     state_equal = not runner.memory_drift(*mem, exclude=runner.LAYOUT_MOVE_MEMORY)
     if known.admits_program(d, outside) and state_equal:
-      moved = max(abs(mem[1][f] - mem[0][f]) for f in runner.LAYOUT_MOVE_MEMORY)
+      moved = runner.temporaries_moved(*mem)
       return (f'\nlikely cause: the declared program difference ({", ".join(known.paths)}: {known.reason}), which'
               ' holds (the programs are identical outside those modules): a lowering that differs places its'
               " temporaries otherwise. If so, declare 'memory' beside 'program' in it, with the bytes measured:"
               f" passes={tuple(known.passes) + ('memory',)!r}, max_temp_bytes={moved} (or, where the figure"
-              f" is this backend's alone, max_temp_bytes={{{jax.devices()[0].platform!r}: {moved}}})")
+              f" is this backend's alone, max_temp_bytes={{{platform!r}: {moved}}})")
   return ('\nlikely cause: the train steps\' programs differ, and XLA\'s memory follows the program. The'
           f' program part\'s finding: {d.summary(loop_growth=False)}'
           + ''.join(f'\n  {line}' for line in d.parting_lines())

@@ -32,7 +32,7 @@ import functools
 import os
 import tempfile
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -498,6 +498,12 @@ MEMORY_FIELDS = ('argument_bytes', 'output_bytes', 'temp_bytes', 'alias_bytes', 
 # What a layout move (the layers stacked on another axis) may change: the
 # transposes' temporaries. The state the step reads and writes is the same bytes.
 LAYOUT_MOVE_MEMORY = ('temp_bytes', 'peak_bytes')
+
+
+def temporaries_moved(linen: Mapping[str, Any], nnx: Mapping[str, Any]) -> int:
+  """The larger of the two steps' differences in temporaries and in peak, in bytes: what a
+  declared memory bound is measured against."""
+  return max(abs(nnx[f] - linen[f]) for f in LAYOUT_MOVE_MEMORY)
 
 
 def declared_memory_admits(declared: Any, linen: dict[str, Any], nnx: dict[str, Any],
