@@ -8,6 +8,9 @@ from bridge import train_state as bridge_state
 from parity.core.errors import TreeMismatchError
 from bridge.layout import AxisMove, Layout
 from parity.core.bitwise import assert_bitwise_equal
+from tests import tiers
+
+pytestmark = pytest.mark.xdist_group(tiers.TINY_PRESET_GROUP)  # the tiny preset's inits, compiled once
 
 
 @pytest.fixture(scope='module')

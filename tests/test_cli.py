@@ -13,6 +13,7 @@ from parity.core.specs import parse_mesh_spec
 from models.config import PRESETS, SCENARIOS
 from parity.run import cli
 from parity.env import xla_env
+from tests import tiers
 
 DESIGN_TABLE = {
     'params/params/decoder/decoder_norm/scale': ([2048], ['norm'], [None]),
@@ -497,6 +498,7 @@ def test_compare_of_a_pair_whose_train_step_returns_no_loss_is_bad_input(monkeyp
 @pytest.mark.parametrize('argv', [
     [], pytest.param(['--pair', 'tests/test_family_lm.py:lm'], marks=pytest.mark.exhaustive),
 ], ids=['decoder', 'lm_pair'])
+@pytest.mark.xdist_group(tiers.TINY_PRESET_GROUP)  # the baseline's train steps and decoding, compiled once
 def test_compare_decodes_after_training_and_reports_it(argv, tmp_path, capsys):
   """`--decode N`: both sides decode N tokens from one prompt after training, timed side by
   side; the verdict covers decoding and the JSON carries it under "decode"."""

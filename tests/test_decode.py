@@ -36,8 +36,9 @@ from models.linen import decode as linen_decode
 from models.linen import train as linen_train
 from models.nnx import decode as nnx_decode
 from parity.core import bitwise, specs
+from tests import tiers
 
-pytestmark = pytest.mark.xdist_group('decode')
+pytestmark = pytest.mark.xdist_group(tiers.TINY_PRESET_GROUP)
 
 BATCH, PROMPT_LEN, STEPS = 4, 16, 32
 MESH = 'fsdp=4,tensor=2'

@@ -22,6 +22,7 @@ from models import data, rng
 from models.config import SCENARIOS, get_configs
 from parity.core.bitwise import assert_bitwise_equal
 from bridge.sides import as_jax_batch
+from tests import tiers
 from tests.runs import start
 
 SCENARIO_NAMES = sorted(SCENARIOS)
@@ -49,6 +50,7 @@ def test_eval_step_bitwise(scenario):
   assert float(linen_metrics['tokens']) == float((batch['segment_ids'] != 0).sum())
 
 
+@pytest.mark.xdist_group(tiers.TINY_PRESET_GROUP)  # the baseline's train steps, as the CLI's compare
 def test_final_state_bitwise_and_changed():
   """Final params and optimizer state after 3 steps, compared leaf by leaf."""
   (linen, nnx_side), (linen_state, nnx_state) = start('01_baseline')

@@ -14,6 +14,9 @@ import pytest
 
 from parity.core import paths
 from parity.core import specs
+from tests import tiers
+
+pytestmark = pytest.mark.xdist_group(tiers.TINY_PRESET_GROUP)  # the tiny preset's inits, compiled once
 
 
 @pytest.fixture(scope='module')

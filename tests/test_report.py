@@ -638,6 +638,12 @@ def test_a_declared_memory_difference_admits_temporaries_within_its_bound(nnx_ch
     run = dataclasses.replace(result, declared_program_difference=dataclasses.replace(declared, max_temp_bytes=bound))
     assert run.same_program is holds, bound
     assert run.memory_verdict.startswith('differs within the declared bound' if holds else 'differs (NNX'), bound
+  # A comparison that ran on another platform than the first device's reads that platform's bound.
+  for platform, holds in (('gpu', admitted), ('cpu', False)):
+    run = dataclasses.replace(result, platform=platform,
+                              declared_program_difference=dataclasses.replace(declared, max_temp_bytes={'gpu': 64}))
+    assert run.same_program is holds, platform
+    assert run.memory_verdict.startswith('differs within the declared bound' if holds else 'differs (NNX'), platform
 
 
 @pytest.mark.parametrize('bound,measured,message', [

@@ -82,6 +82,11 @@ CORE_SCENARIO_TESTS = {
         " the mesh, logits and eval, and the core tier's time has no room for a second set",
     ),
 }
+# The xdist group of the core tier's tests that run the tiny preset's baseline programs outside
+# the scenario matrix (decoding, the bridge, native init, a 3-step run, the CLI's compare): its
+# inits and train steps compile once, in one worker (a scenario's name would put them in that
+# scenario's tier).
+TINY_PRESET_GROUP = 'tiny-preset'
 # The decoder's mesh matrix in the core tier (tests/runs.py MESHES): the mesh of all three axes.
 CORE_MESHES = ('data=2,fsdp=2,tensor=2',)
 # Tests the plugin generates, by pair (its name) and part (None: every part), with why the

@@ -216,11 +216,17 @@ class CompareResult:
       return 'equal to the byte' + ('' if self.nnx_only_accounting is None else f' ({self.nnx_only_accounting})')
     accounted = '' if self.nnx_only_accounting is None else f'; {self.nnx_only_accounting}'
     declared = self.declared_program_difference
-    if declared_memory_admits(declared, self.linen.memory, self._nnx_memory_compared):
-      bound = declared.temp_bytes(jax.devices()[0].platform)
+    if declared_memory_admits(declared, self.linen.memory, self._nnx_memory_compared, self._platform):
+      bound = declared.temp_bytes(self._platform)
       return (f'differs within the declared bound (NNX ' + ', '.join(drift)
               + f'; at most {bound:,} B of temporaries{accounted})')
     return 'differs (NNX ' + ', '.join(drift) + accounted + ')'
+
+  @property
+  def _platform(self) -> str:
+    """The platform the steps ran and their memory was measured on (a result made without one:
+    the first device's)."""
+    return self.platform or jax.devices()[0].platform
 
   @property
   def _nnx_memory_compared(self) -> dict[str, Any]:
@@ -261,11 +267,11 @@ class CompareResult:
       return False
     if self.expected_difference is None:
       memory = not self.memory_drift or declared_memory_admits(
-          self.declared_program_difference, self.linen.memory, self._nnx_memory_compared)
+          self.declared_program_difference, self.linen.memory, self._nnx_memory_compared, self._platform)
       return memory and (self.program_diff is None or self.program_diff.identical)
     if self.declared_program_difference is not None:
       return not self.memory_drift or declared_memory_admits(
-          self.declared_program_difference, self.linen.memory, self._nnx_memory_compared)
+          self.declared_program_difference, self.linen.memory, self._nnx_memory_compared, self._platform)
     return not memory_drift(self.linen.memory, self.nnx.memory, exclude=LAYOUT_MOVE_MEMORY)
 
   @property
