@@ -1,6 +1,7 @@
 """Where the suite's jax time goes: tracing, lowering, compiling and cache loads, per test and program.
 
   .venv/bin/python benchmarks/compile_profile.py [--cold] [--out DIR] [-- PYTEST_ARGS...]
+  .venv/bin/python benchmarks/compile_profile.py --records DIR   (a kept run's summary again)
 
 (any Python with the project's test extra installed, as `make test` makes .venv).
 
@@ -11,7 +12,10 @@ each jaxpr trace, each lowering to MLIR, and each backend compile, the last
 split into real compiles and loads from the persistent compilation cache (a
 load is a compile event preceded by a cache retrieval). Each worker writes
 its records to DIR; the summary prints totals, the seconds per test file and
-per jitted function, and the costliest tests.
+per jitted function, the costliest tests, and the floor: the seconds the
+two costliest compiles of each xdist group take (a pair's or a scenario's
+train step on each side, say), which is what compiling would still cost
+if every part of a pair read one program per side.
 
 `--cold` gives the run an empty compilation cache of its own (a temporary
 directory, removed afterwards), so every program is compiled; without it the
@@ -41,6 +45,7 @@ EVENTS = {
     '/jax/core/compile/backend_compile_duration': 'compile',
 }
 RETRIEVAL = '/jax/compilation_cache/cache_retrieval_time_sec'
+OWN_PROGRAMS = '/own-programs'  # parity.battery.parts.OWN_PROGRAM_GROUP (not imported: no jax before pytest)
 KINDS = ('trace', 'lower', 'compile', 'load')
 
 # ---------------------------------------------------------------------------
@@ -127,15 +132,55 @@ def summarise(records: list[tuple[str, str, str, float]], top: int = 15) -> str:
     lines.append(row(f'{name} ({n["compile"]} compiled, {n["load"]} loaded)', c))
   lines += ['', f'The {top} costliest tests (seconds of jax tracing, lowering, compiling and loading)']
   lines += [f'{s:10.1f}  {t}' for t, s in by_test.most_common(top)]
+  floor, groups = compile_floor(records)
+  lines += ['', 'The floor: compiling only the two costliest programs of each xdist group (a pair, or a'
+                " scenario: one program per side that every part reads), the group's compiles beside it",
+            f'{floor:10.1f}  of {totals["compile"]:.1f} s compiling, in {len(groups)} groups']
+  lines += [f'{two:10.1f}{every:10.1f}  {group}' for group, (two, every) in groups[:top]]
   return '\n'.join(lines)
+
+
+def group_of(test: str) -> str:
+  """The xdist group a test id names (`...@group`), its pair's when the group is the pair's
+  own-programs half (parity/battery/parts.py); the test's file where it names none."""
+  if '@' in test:
+    group = test.rsplit('@', 1)[1]
+    return group[:-len(OWN_PROGRAMS)] if group.endswith(OWN_PROGRAMS) else group
+  return test.split('::', 1)[0]
+
+
+def compile_floor(records) -> tuple[float, list[tuple[str, tuple[float, float]]]]:
+  """(The seconds of the two costliest compiles of each group, summed; each group's (those two,
+  every compile), the costliest first): what a run that compiled one program per side of each pair
+  would still spend compiling, on this machine."""
+  by_group = collections.defaultdict(list)
+  for test, kind, _, seconds in records:
+    if kind == 'compile':
+      by_group[group_of(test)].append(seconds)
+  groups = {g: (sum(sorted(s, reverse=True)[:2]), sum(s)) for g, s in by_group.items()}
+  ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
+  return sum(two for two, _ in groups.values()), ranked
+
+
+def _read(out: str) -> list[tuple[str, str, str, float]]:
+  records = []
+  for name in sorted(os.listdir(out)):
+    if name.endswith('.json'):
+      with open(os.path.join(out, name)) as f:
+        records += [tuple(r) for r in json.load(f)]
+  return records
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--cold', action='store_true', help='an empty compilation cache of its own')
   parser.add_argument('--out', help='keep the per-worker records here (default: a temporary directory)')
+  parser.add_argument('--records', help='summarise the records a run kept here (its --out), running nothing')
   parser.add_argument('pytest_args', nargs='*', help='after --: pytest arguments (default: -n auto --hardware-on-cpu)')
   args = parser.parse_args(argv)
+  if args.records:
+    print(summarise(_read(args.records)))
+    return 0
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = args.out or tempfile.mkdtemp(prefix='parity-compile-profile-')
   os.makedirs(out, exist_ok=True)
@@ -155,13 +200,8 @@ def main(argv: list[str] | None = None) -> int:
   finally:
     if cache:
       shutil.rmtree(cache, ignore_errors=True)
-  records = []
-  for name in sorted(os.listdir(out)):
-    if name.endswith('.json'):
-      with open(os.path.join(out, name)) as f:
-        records += [tuple(r) for r in json.load(f)]
   print()
-  print(summarise(records))
+  print(summarise(_read(out)))
   print(f'\nrecords: {out}')
   return status
 

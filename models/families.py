@@ -328,6 +328,10 @@ class RnnConfig:
   # Dropout of the hidden state entering each step, a mask of its own per step (flax has no stock
   # recurrent dropout: the cells are models/*/rnn.py's own); 0 runs flax's stock LSTM cell alone.
   recurrent_dropout_rate: float = 0.0
+  # True: one recurrent-dropout mask for every step of a sequence (variational dropout: Linen's
+  # `nn.RNN(..., split_rngs={'params': False, 'dropout': False})`, NNX's
+  # `nnx.RNN(..., broadcast_rngs='dropout')`); False: a mask per step.
+  recurrent_dropout_per_sequence: bool = False
   learning_rate: float = 3e-3
   seed: int = 0
 

@@ -192,22 +192,52 @@ def test_an_nnx_loss_with_aux_outputs_is_taken_with_has_aux():
   checks.check_grads(_pair('rnn_aux', sides, parts=('grads',)))
 
 
-def test_after_the_loop_the_cells_stream_holds_its_key_and_the_count_the_loop_leaves():
+@pytest.mark.parametrize('per_sequence,draws', [(False, 5), (True, 1)], ids=['mask_per_step', 'mask_per_sequence'])
+def test_after_the_loop_the_cells_stream_holds_its_key_and_the_count_the_loop_leaves(per_sequence, draws):
   """The kit scans the cell's stream over the steps while it traces; afterwards the stream holds
-  its key again and the count the carried loop would leave (one draw a step): the same state."""
+  its key again and the count nnx.RNN's own loop would leave: one draw a step where it carries
+  the stream, one in all where it broadcasts it (`broadcast_rngs`, which draws the key it splits)."""
   import contextlib
 
   import jax.numpy as jnp
 
   from parity.pairs import dropout
 
+  cfg = dataclasses.replace(CFG, recurrent_dropout_per_sequence=per_sequence)
+
   def run(kit):
-    model = nnx_rnn.RecurrentLM(CFG, rngs=nnx.Rngs(params=0, dropout=0))
+    model = nnx_rnn.RecurrentLM(cfg, rngs=nnx.Rngs(params=0, dropout=0))
     with dropout.linen_dropout_keys() if kit else contextlib.nullcontext():
       model(jnp.zeros((2, 5), jnp.int32), train=True, rngs=nnx.Rngs(dropout=1))
     stream = model.rnn.cell.dropout.rngs
     return jax.random.key_data(stream.key[...]), stream.count[...]
 
   (key, count), (kit_key, kit_count) = run(False), run(True)
-  assert int(count) == 5 and int(kit_count) == int(count), (count, kit_count)
+  assert int(count) == draws and int(kit_count) == int(count), (count, kit_count)
   assert kit_count.dtype == count.dtype and bool(jnp.all(kit_key == key)), (kit_key, key)
+
+
+@pytest.mark.exhaustive  # a pair of its own (compiles): the per-step pair is the family's
+@pytest.mark.xdist_group('parity-rnn')
+def test_one_recurrent_mask_for_every_step_is_drawn_as_linens_broadcast_key(monkeypatch):
+  """Variational dropout (one mask for every step of a sequence: Linen's `split_rngs={'dropout':
+  False}`, NNX's `broadcast_rngs='dropout'`): the kit hands each step the stream's key unsplit, as
+  Linen broadcasts it, and the gradients are bit for bit; left as nnx.RNN draws it (its key split
+  once first), the grads part fails at the cell's dropout."""
+  from parity.battery import checks
+  from parity.pairs import dropout
+
+  cfg = dataclasses.replace(CFG, recurrent_dropout_per_sequence=True)
+
+  def sides(mesh):
+    linen, nnx_side = make_sides(mesh)
+    return (dataclasses.replace(linen, create=functools.partial(linen_rnn.create_train_state, cfg)),
+            dataclasses.replace(nnx_side, create=functools.partial(nnx_rnn.create_train_state, cfg)))
+
+  pair = parity.Pair('rnn_mask_per_sequence', sides, functools.partial(rnn_batch, cfg), parts=('grads',))
+  checks.check_grads(pair)
+  monkeypatch.setattr(dropout, '_broadcast_streams', lambda rnn, held: None if rnn.broadcast_rngs else set())
+  with pytest.raises(AssertionError) as failure:
+    checks.check_grads(dataclasses.replace(pair, name='rnn_mask_per_sequence_as_drawn'))
+  # From step 1: step 0 drops out the initial carry, zeros under any mask.
+  assert 'RecurrentDropoutLSTMCell_0/1/Dropout_0 (NNX: rnn/cell/1/dropout)' in str(failure.value), failure.value

@@ -2,7 +2,7 @@
 
 Mirrors models/nnx/rnn.py: `nn.Embed`, `nn.RNN` over an `nn.LSTMCell` (or, with
 recurrent dropout, the model's `RecurrentDropoutLSTMCell` around one, the key
-split per step), stock dropout drawing from `make_rng('dropout')`, a dense head; flax's stock
+split per step, or one key for every step: `recurrent_dropout_per_sequence`), stock dropout drawing from `make_rng('dropout')`, a dense head; flax's stock
 `TrainState` and adamw. The train and eval steps are the language model's
 (models/linen/lm.py), which read only the state's `apply_fn`. Layers keep
 Linen's automatic names: the cell, made in the model's scope and handed to
@@ -55,7 +55,8 @@ class RecurrentLM(nn.Module):
     x = nn.Embed(cfg.vocab_size, cfg.emb_dim)(tokens)
     if cfg.recurrent_dropout_rate:
       cell = RecurrentDropoutLSTMCell(cfg.hidden, cfg.recurrent_dropout_rate, deterministic=not train)
-      x = nn.RNN(cell, split_rngs={'params': False, 'dropout': True})(x)
+      per_step = not cfg.recurrent_dropout_per_sequence  # else one mask for every step
+      x = nn.RNN(cell, split_rngs={'params': False, 'dropout': per_step})(x)
     else:
       x = nn.RNN(nn.LSTMCell(cfg.hidden))(x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=not train)

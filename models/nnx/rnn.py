@@ -2,7 +2,8 @@
 
 Mirrors models/linen/rnn.py class for class: `nnx.Embed`, `nnx.RNN` over an
 `nnx.LSTMCell` (or, with recurrent dropout, the model's `RecurrentDropoutLSTMCell`
-around one, its dropout keeping its stream), `nnx.Dropout` given its key at the call
+around one, its dropout keeping its stream, which `nnx.RNN` carries, or broadcasts
+with `recurrent_dropout_per_sequence`), `nnx.Dropout` given its key at the call
 (`rngs=nnx.Rngs(dropout=key)`), a linear head; the stock `nnx.Optimizer`
 and adamw. The train and eval steps are the language model's
 (models/nnx/lm.py), which only call the model. `nnx.RNN` scans its cell
@@ -49,7 +50,8 @@ class RecurrentLM(nnx.Module):
       cell = RecurrentDropoutLSTMCell(cfg.emb_dim, cfg.hidden, cfg.recurrent_dropout_rate, rngs=rngs)
     else:
       cell = nnx.LSTMCell(cfg.emb_dim, cfg.hidden, rngs=rngs)
-    self.rnn = nnx.RNN(cell)
+    # One recurrent-dropout mask for every step (variational), as Linen's split_rngs={'dropout': False}.
+    self.rnn = nnx.RNN(cell, broadcast_rngs='dropout' if cfg.recurrent_dropout_per_sequence else None)
     self.dropout = nnx.Dropout(cfg.dropout_rate)
     self.head = nnx.Linear(cfg.hidden, cfg.vocab_size, rngs=rngs)
 

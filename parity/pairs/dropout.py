@@ -28,7 +28,10 @@ own key comes from:
 - a stream the cell of an `nnx.RNN` keeps (recurrent dropout), which the
   loop would carry, one key for every step: while the kit traces, the RNN
   scans it instead, `jax.random.split(key, T)`, one key per step, as
-  Linen's `nn.RNN(..., split_rngs={'dropout': True})` splits it.
+  Linen's `nn.RNN(..., split_rngs={'dropout': True})` splits it; where the
+  RNN broadcasts it (`broadcast_rngs`, one mask for every step), each step
+  gets the stream's key itself, as Linen's `split_rngs={'dropout': False}`
+  hands each step the key unsplit.
 
 So does the attention dropout of an `nnx.MultiHeadAttention` (Linen's
 `MultiHeadDotProductAttention` draws `make_rng('dropout')` in its own
@@ -39,8 +42,8 @@ feed is compared bit for bit.
 Not covered, and left as drawn: a key array passed at the call (already the
 same on both sides when the Linen side passes it too), streams stacked more
 than once (a scan of scans), one `nnx.RNN` with recurrent dropout called twice in one step (each
-call counts its draws from the first again), an `nnx.RNN` given `broadcast_rngs` (one mask for
-every step: left as drawn), a Linen module that draws both outside and inside a lifted transform
+call counts its draws from the first again), an `nnx.RNN` whose `broadcast_rngs` takes RNG
+state of its cell other than its dropout streams (left as drawn), a Linen module that draws both outside and inside a lifted transform
 in one pass (`linen_draws`), and Linen modules whose RNGs a lifted transform folds otherwise than
 `nn.scan` / `nn.vmap` split them.
 """
@@ -193,14 +196,18 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
 def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
   """`nnx.RNN.__call__` where its cell keeps dropout streams: each enters the loop as one key per
   step, `jax.random.split(key, T)` scanned, as Linen's `nn.RNN(..., split_rngs={'dropout': True})`
-  splits the key over the T steps (nnx.RNN would carry the stream, one key for every step). After
-  the loop each stream holds its key again, its count advanced as the carried loop advances it."""
+  splits the key over the T steps (nnx.RNN would carry the stream, one key for every step). A
+  stream the RNN broadcasts (`broadcast_rngs`: one mask for every step) enters every step as its
+  own key, as Linen's `split_rngs={'dropout': False}` hands each step the key unsplit (nnx.RNN
+  would split it once first: another key). After the loop each stream holds its key again, its
+  count advanced as nnx.RNN's own loop advances it."""
 
   def __call__(self, inputs, **kwargs):
     held = held_streams(self.cell)
-    # A cell without streams, or an RNN broadcasting RNG state its user chose (one mask for every
-    # step, as Linen's split_rngs={'dropout': False}), is left as it is.
-    if not held or self.broadcast_rngs is not None:
+    broadcast = _broadcast_streams(self, held)
+    # A cell without streams, or an RNN broadcasting RNG state other than its held dropout
+    # streams, is left as it is.
+    if not held or broadcast is None:
       return original(self, inputs, **kwargs)
     streams = [stream for _, stream in held]
     time_major = kwargs.get('time_major')
@@ -212,24 +219,46 @@ def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
         raise NotImplementedError(
             f'a dropout stream of more than one key (shape {key.shape}) in the cell of an nnx.RNN: the kit'
             ' gives a recurrent cell one key per step, from a stream of one key')
-      compat.set_variable_value(stream.key, jax.random.split(key, steps))
+      per_step = jnp.broadcast_to(key, (steps,) + key.shape) if id(stream) in broadcast else jax.random.split(key, steps)
+      compat.set_variable_value(stream.key, per_step)
       compat.set_variable_value(stream.count, jnp.broadcast_to(count, (steps,)))
     # By path in the cell (the loop's copies of the cell hold other objects): the streams' own key
     # and count, kept as the module's `rngs` (`_held`), not the module's other variables.
     prefixes = [tuple(path.split('/')) + ('rngs',) for path, _ in held]
     per_step = lambda path, value: any(tuple(map(str, path[:len(p)])) == p for p in prefixes)  # noqa: E731
-    axes = self.state_axes
+    axes, broadcast_rngs = self.state_axes, self.broadcast_rngs
     self.state_axes = nnx.StateAxes(((per_step, 0),) + tuple(axes.items()))
+    self.broadcast_rngs = None  # the keys above are the broadcast ones, nnx.RNN's split left out
     try:
       return original(self, inputs, **kwargs)
     finally:
-      self.state_axes = axes
+      self.state_axes, self.broadcast_rngs = axes, broadcast_rngs
       for stream, key, count in before:
-        drawn = jnp.sum(stream.count[...] - count, dtype=count.dtype)  # every step's draws
+        if id(stream) in broadcast:  # nnx.RNN draws the key it splits: one draw, whatever the steps
+          drawn = jnp.ones((), count.dtype)
+        else:  # every step's draws
+          drawn = jnp.sum(stream.count[...] - count, dtype=count.dtype)
         compat.set_variable_value(stream.key, key)
         compat.set_variable_value(stream.count, count + drawn)
 
   return __call__
+
+
+def _broadcast_streams(rnn: nnx.RNN, held: list[tuple[str, nnx.RngStream]]) -> set[int] | None:
+  """The ids of the held streams `rnn` broadcasts over its steps (`broadcast_rngs`); None where it
+  broadcasts any other RNG state of its cell, which the kit leaves as nnx.RNN draws it."""
+  if rnn.broadcast_rngs is None:
+    return set()
+  predicate = nnx.filterlib.to_predicate(nnx.All(nnx.RngState, rnn.broadcast_rngs))
+  held_ids = {id(stream) for _, stream in held}
+  out = set()
+  for path, stream in nnx.iter_graph(rnn.cell):
+    if isinstance(stream, nnx.RngStream) and (predicate((*path, 'key'), stream.key)
+                                              or predicate((*path, 'count'), stream.count)):
+      if id(stream) not in held_ids:
+        return None
+      out.add(id(stream))
+  return out
 
 
 def _held(module) -> Any:
