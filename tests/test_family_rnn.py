@@ -241,3 +241,21 @@ def test_one_recurrent_mask_for_every_step_is_drawn_as_linens_broadcast_key(monk
     checks.check_grads(dataclasses.replace(pair, name='rnn_mask_per_sequence_as_drawn'))
   # From step 1: step 0 drops out the initial carry, zeros under any mask.
   assert 'RecurrentDropoutLSTMCell_0/1/Dropout_0 (NNX: rnn/cell/1/dropout)' in str(failure.value), failure.value
+
+
+@pytest.mark.parametrize('broadcast,taken', [
+    (None, False),  # carried: a key per step, split
+    ('dropout', True),  # the held stream, its key and its count: one mask for every step
+    ('params', False),  # no RNG state of the cell
+    (nnx.RngKey, None),  # the key and not the count: nnx.RNN does not split it, and carries the count
+    (lambda path, value: path[:1] == ('dropout',), None),  # by path in the cell: flax's split sees other paths
+], ids=['none', 'its_stream', 'other_state', 'key_only', 'by_path_in_the_cell'])
+def test_the_kit_takes_over_a_broadcast_only_where_nnx_rnn_broadcasts_the_held_stream_whole(broadcast, taken):
+  """The kit hands each step the stream's key unsplit only where nnx.RNN would split and broadcast
+  the held stream itself (its key and its count, seen as flax's split and its loop see them);
+  any other filter is left as nnx.RNN draws it."""
+  from parity.pairs import dropout
+
+  cell = nnx_rnn.RecurrentDropoutLSTMCell(4, 8, 0.1, rngs=nnx.Rngs(params=0, dropout=0))
+  rnn = nnx.RNN(cell, broadcast_rngs=broadcast)
+  assert dropout._broadcast_streams(rnn, dropout.held_streams(cell)) is taken

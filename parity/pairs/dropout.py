@@ -42,8 +42,9 @@ feed is compared bit for bit.
 Not covered, and left as drawn: a key array passed at the call (already the
 same on both sides when the Linen side passes it too), streams stacked more
 than once (a scan of scans), one `nnx.RNN` with recurrent dropout called twice in one step (each
-call counts its draws from the first again), an `nnx.RNN` whose `broadcast_rngs` takes RNG
-state of its cell other than its dropout streams (left as drawn), a Linen module that draws both outside and inside a lifted transform
+call counts its draws from the first again), an `nnx.RNN` whose `broadcast_rngs` takes its
+cell's RNG state otherwise than its held dropout streams whole (left as drawn:
+`_broadcast_streams`), a Linen module that draws both outside and inside a lifted transform
 in one pass (`linen_draws`), and Linen modules whose RNGs a lifted transform folds otherwise than
 `nn.scan` / `nn.vmap` split them.
 """
@@ -204,9 +205,9 @@ def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
 
   def __call__(self, inputs, **kwargs):
     held = held_streams(self.cell)
-    broadcast = _broadcast_streams(self, held)
-    # A cell without streams, or an RNN broadcasting RNG state other than its held dropout
-    # streams, is left as it is.
+    broadcast = _broadcast_streams(self, held) if held else False
+    # A cell without streams, or an RNN broadcasting its cell's RNG state otherwise than all its
+    # held dropout streams, is left as it is.
     if not held or broadcast is None:
       return original(self, inputs, **kwargs)
     streams = [stream for _, stream in held]
@@ -219,22 +220,23 @@ def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
         raise NotImplementedError(
             f'a dropout stream of more than one key (shape {key.shape}) in the cell of an nnx.RNN: the kit'
             ' gives a recurrent cell one key per step, from a stream of one key')
-      per_step = jnp.broadcast_to(key, (steps,) + key.shape) if id(stream) in broadcast else jax.random.split(key, steps)
-      compat.set_variable_value(stream.key, per_step)
-      compat.set_variable_value(stream.count, jnp.broadcast_to(count, (steps,)))
     # By path in the cell (the loop's copies of the cell hold other objects): the streams' own key
     # and count, kept as the module's `rngs` (`_held`), not the module's other variables.
     prefixes = [tuple(path.split('/')) + ('rngs',) for path, _ in held]
     per_step = lambda path, value: any(tuple(map(str, path[:len(p)])) == p for p in prefixes)  # noqa: E731
     axes, broadcast_rngs = self.state_axes, self.broadcast_rngs
     self.state_axes = nnx.StateAxes(((per_step, 0),) + tuple(axes.items()))
-    self.broadcast_rngs = None  # the keys above are the broadcast ones, nnx.RNN's split left out
+    self.broadcast_rngs = None  # the keys below are the broadcast ones, nnx.RNN's split left out
     try:
+      for stream, key, count in before:
+        keys = jnp.broadcast_to(key, (steps,) + key.shape) if broadcast else jax.random.split(key, steps)
+        compat.set_variable_value(stream.key, keys)
+        compat.set_variable_value(stream.count, jnp.broadcast_to(count, (steps,)))
       return original(self, inputs, **kwargs)
     finally:
       self.state_axes, self.broadcast_rngs = axes, broadcast_rngs
       for stream, key, count in before:
-        if id(stream) in broadcast:  # nnx.RNN draws the key it splits: one draw, whatever the steps
+        if broadcast:  # nnx.RNN draws the key it splits: one draw, whatever the steps
           drawn = jnp.ones((), count.dtype)
         else:  # every step's draws
           drawn = jnp.sum(stream.count[...] - count, dtype=count.dtype)
@@ -244,21 +246,30 @@ def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
   return __call__
 
 
-def _broadcast_streams(rnn: nnx.RNN, held: list[tuple[str, nnx.RngStream]]) -> set[int] | None:
-  """The ids of the held streams `rnn` broadcasts over its steps (`broadcast_rngs`); None where it
-  broadcasts any other RNG state of its cell, which the kit leaves as nnx.RNN draws it."""
+def _broadcast_streams(rnn: nnx.RNN, held: list[tuple[str, nnx.RngStream]]) -> bool | None:
+  """Whether `rnn` broadcasts its cell's held streams over its steps (`broadcast_rngs`, which
+  nnx.RNN splits once and hands every step): False where it broadcasts none of its cell's RNG
+  state; None, for the kit to leave the RNN as nnx.RNN draws it, where its filter takes other RNG
+  state, some held streams and not others, or a stream's key and not its count (or the reverse),
+  or matches otherwise by where flax's split looks at a stream (`(0, 0, *path)`, the arguments of
+  its scanned function) than by where its loop does (`path`, in the cell)."""
   if rnn.broadcast_rngs is None:
-    return set()
+    return False
   predicate = nnx.filterlib.to_predicate(nnx.All(nnx.RngState, rnn.broadcast_rngs))
   held_ids = {id(stream) for _, stream in held}
-  out = set()
+  taken = set()
   for path, stream in nnx.iter_graph(rnn.cell):
-    if isinstance(stream, nnx.RngStream) and (predicate((*path, 'key'), stream.key)
-                                              or predicate((*path, 'count'), stream.count)):
-      if id(stream) not in held_ids:
-        return None
-      out.add(id(stream))
-  return out
+    if not isinstance(stream, nnx.RngStream):
+      continue
+    views = {predicate((*prefix, *path, name), variable)
+             for prefix in ((), (0, 0)) for name, variable in (('key', stream.key), ('count', stream.count))}
+    if views == {True}:
+      taken.add(id(stream))
+    elif views != {False}:
+      return None
+  if not taken:
+    return False
+  return True if taken == held_ids else None
 
 
 def _held(module) -> Any:
