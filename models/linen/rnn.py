@@ -2,7 +2,8 @@
 
 Mirrors models/nnx/rnn.py: `nn.Embed`, `nn.RNN` over an `nn.LSTMCell` (or, with
 recurrent dropout, the model's `RecurrentDropoutLSTMCell` around one, the key
-split per step, or one key for every step: `recurrent_dropout_per_sequence`), stock dropout drawing from `make_rng('dropout')`, a dense head; flax's stock
+split per step, or one key for every step: `recurrent_dropout_per_sequence`),
+stock dropout drawing from `make_rng('dropout')`, a dense head; flax's stock
 `TrainState` and adamw. The train and eval steps are the language model's
 (models/linen/lm.py), which read only the state's `apply_fn`. Layers keep
 Linen's automatic names: the cell, made in the model's scope and handed to
