@@ -204,11 +204,11 @@ def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
   count advanced as nnx.RNN's own loop advances it."""
 
   def __call__(self, inputs, **kwargs):
-    held = held_streams(self.cell)
-    broadcast = _broadcast_streams(self, held) if held else False
     # A cell without streams, or an RNN broadcasting its cell's RNG state otherwise than all its
     # held dropout streams, is left as it is.
-    if not held or broadcast is None:
+    held = held_streams(self.cell)
+    broadcast = _broadcast_streams(self, held) if held else None
+    if broadcast is None:
       return original(self, inputs, **kwargs)
     streams = [stream for _, stream in held]
     time_major = kwargs.get('time_major')
