@@ -89,11 +89,15 @@ def test_the_recurrent_dropout_draws_each_steps_key_as_linens_split(monkeypatch)
   from parity.pairs import dropout
 
   monkeypatch.setattr(dropout, '_rnn_with_steps_keys', lambda original: original)
+  pair = _pair('rnn_carried_stream', parts=('grads',))
   with pytest.raises(AssertionError) as failure:
-    checks.check_grads(_pair('rnn_carried_stream', parts=('grads',)))
+    checks.check_grads(pair)
   message = str(failure.value)
   assert ('forward pass: first differs at module RecurrentDropoutLSTMCell_0/1/Dropout_0 (NNX: rnn/cell/1/dropout)'
           in message), message
+  # The index is the loop's time step, not a layer: the cell's loop slices no parameters.
+  first = checks._runs(pair).localization().first(0)
+  assert (first['path'], first['layer'], first['iteration']) == ('RecurrentDropoutLSTMCell_0/Dropout_0', None, 1), first
 
 
 @pytest.mark.exhaustive
@@ -243,6 +247,33 @@ def test_one_recurrent_mask_for_every_step_is_drawn_as_linens_broadcast_key(monk
   assert 'RecurrentDropoutLSTMCell_0/1/Dropout_0 (NNX: rnn/cell/1/dropout)' in str(failure.value), failure.value
 
 
+@pytest.mark.exhaustive  # a pair of its own (compiles)
+@pytest.mark.xdist_group('parity-rnn')
+def test_a_broadcast_the_kit_leaves_as_drawn_fails_with_the_rnn_and_its_filter_named():
+  """An nnx.RNN whose `broadcast_rngs` takes its cell's stream otherwise than whole
+  (`nnx.RngKey`: the key and not the count, so nnx.RNN splits nothing) is left as nnx.RNN draws
+  it, every step drawing with the stream's one key; beside Linen's mask per step the grads part
+  fails at the cell's dropout, and names the RNN, its filter, and the filters the kit takes."""
+  from parity.battery import checks
+
+  def key_only(seed):
+    model, optimizer = nnx_rnn.create_train_state(CFG, seed)
+    model.rnn.broadcast_rngs = nnx.RngKey
+    return model, optimizer
+
+  def sides(mesh):
+    linen, nnx_side = make_sides(mesh)
+    return linen, dataclasses.replace(nnx_side, create=key_only)
+
+  pair = parity.Pair('rnn_key_only_broadcast', sides, functools.partial(rnn_batch, CFG), parts=('grads',))
+  with pytest.raises(AssertionError) as failure:
+    checks.check_grads(pair)
+  text = str(failure.value)
+  assert 'RecurrentDropoutLSTMCell_0/1/Dropout_0 (NNX: rnn/cell/1/dropout)' in text, text
+  assert "in the cell of the nnx.RNN at rnn, whose broadcast_rngs is RngKey." in text, text
+  assert "any other filter it leaves as nnx.RNN draws it" in text, text
+
+
 @pytest.mark.parametrize('broadcast,taken', [
     (None, False),  # carried: a key per step, split
     ('dropout', True),  # the held stream, its key and its count: one mask for every step
@@ -259,3 +290,8 @@ def test_the_kit_takes_over_a_broadcast_only_where_nnx_rnn_broadcasts_the_held_s
   cell = nnx_rnn.RecurrentDropoutLSTMCell(4, 8, 0.1, rngs=nnx.Rngs(params=0, dropout=0))
   rnn = nnx.RNN(cell, broadcast_rngs=broadcast)
   assert dropout._broadcast_streams(rnn, dropout.held_streams(cell)) is taken
+  # The hint of a failure there names the RNN whose filter the kit leaves as drawn, and no other.
+  model = nnx.Dict(rnn=rnn)
+  left = [('rnn', broadcast)] if taken is None else []
+  for module in ('rnn/cell/dropout', 'rnn/cell/1/dropout'):  # as reported, and with the step's index
+    assert dropout.rnn_left_as_drawn(model, module) == left, module

@@ -51,7 +51,7 @@ def test_a_changed_rms_norm_epsilon_points_at_the_first_norm_of_layer_0(monkeypa
   assert result.first_divergent_step == 0
   first = result.first_divergent_module
   assert first == {
-      'step': 0, 'path': 'decoder/layers/pre_self_attention_layer_norm', 'layer': 0,
+      'step': 0, 'path': 'decoder/layers/pre_self_attention_layer_norm', 'layer': 0, 'iteration': None,
       'pass': 'forward', 'max_ulp': first['max_ulp'],
   }, result.localizer
   assert first['max_ulp'] >= 1

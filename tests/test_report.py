@@ -610,6 +610,20 @@ def test_the_text_report_prints_the_program_diff_unless_a_declaration_admits_it(
   assert '-a line of the diff' in r.markdown()
 
 
+@pytest.mark.parametrize('where,said', [
+    (dict(layer=1, iteration=None), 'first divergent module: layers/mlp, layer 1, forward pass'),
+    (dict(layer=None, iteration=3), 'first divergent module: layers/mlp, iteration 3 of its loop, forward pass'),
+    (dict(layer=None, iteration=None), 'first divergent module: layers/mlp, forward pass'),
+], ids=['a_stacks_layer', 'a_loops_iteration', 'neither'])
+def test_the_localizer_line_calls_a_stacks_index_a_layer_and_a_loops_an_iteration(where, said):
+  """A scan over layers slices their parameters by its index; an RNN's loop over time steps
+  slices none, and its index is no layer."""
+  first = dict(step=0, path='layers/mlp', max_ulp=2, **where) | {'pass': 'forward'}
+  result = dataclasses.replace(_declared_run(), first_divergent_step=0, first_divergent_module=first,
+                               localizer=['forward pass: ...'])
+  assert said + ', max 2 ULP' in report.Report(result, 'pair x', '-', None).text()
+
+
 @pytest.mark.parametrize('nnx_change,admitted', [
     (dict(temp_bytes=74, peak_bytes=274), True),  # +64 B of temporaries: the bound
     (dict(temp_bytes=-54, peak_bytes=146), True),  # -64 B

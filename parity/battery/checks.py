@@ -235,6 +235,18 @@ class _Runs:
               " from make_rng('dropout'): their masks cannot be equal. Give the NNX side Linen's keys,"
               " with no change to either model: StockNnx(..., dropout_keys='linen') seeds the streams"
               " the model keeps with the key Linen's apply receives (docs/plugin.md, \"Stock dropout\")"]
+    rnns = self.rnns_left_as_drawn(nnx_module)
+    if rnns:
+      path, broadcast = rnns[0]
+      broadcast = broadcast.__name__ if isinstance(broadcast, type) else repr(broadcast)
+      return [f"{named} draws from an RNG stream the NNX model keeps ({where}), in the cell of the"
+              f" nnx.RNN at {path or 'the root'}, whose broadcast_rngs is {broadcast}. The kit gives"
+              " every step Linen's key only where broadcast_rngs is None (a key per step, as Linen's"
+              " nn.RNN(..., split_rngs={'dropout': True}) splits it) or takes the cell's dropout"
+              " streams whole and no other RNG state, as broadcast_rngs='dropout' does (one key for"
+              " every step, as split_rngs={'dropout': False}); any other filter it leaves as nnx.RNN"
+              " draws it. Give the NNX RNN the one of those that matches the Linen side's split_rngs"
+              ' (docs/plugin.md, "Stock dropout")']
     return [f"{named} draws from an RNG stream the NNX model keeps ({where}), which the kit seeds with"
             " Linen's keys (dropout_keys='linen'), and still differs: the kit seeds it with the key a"
             " stock Linen step gives its apply, parity.step_key(dropout_base, step, 0) (in the grads"
@@ -254,6 +266,17 @@ class _Runs:
     except Exception:  # pylint: disable=broad-except  (a hint only)
       return []
     return ['/'.join(p for p in (nnx_module, path, 'rngs') if p) for path, _ in held]
+
+  def rnns_left_as_drawn(self, nnx_module: str) -> list[tuple[str, Any]]:
+    """The `nnx.RNN`s on the way to `nnx_module`, in a fresh model of the NNX side, whose dropout
+    streams the kit leaves as drawn (`parity.pairs.dropout.rnn_left_as_drawn`); [] where none is
+    or it cannot tell."""
+    try:
+      with compat.eager_sharding_off():
+        model = self.side('nnx').create(self.pair.seed)[0]
+      return pair_dropout.rnn_left_as_drawn(model, nnx_module)
+    except Exception:  # pylint: disable=broad-except  (a hint only)
+      return []
 
   def nnx_attention(self, module: str) -> Any:
     """The NNX side's `nnx.MultiHeadAttention` at Linen path `module` (a fresh model's, with any

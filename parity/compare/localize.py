@@ -143,8 +143,8 @@ class Recorder:
     self._active: list[str | None] = []  # keys of the module calls under way (None: not recorded)
     self._callers: list[str | None] = []  # their keys as recorded (None: not recorded)
     self.params: dict[int, str] = {}  # id of each parameter leaf traced -> its gradient's name
-    # stack path -> the parameters its scan slices by layer (inputs on axis 0), stacks outside
-    # any other transformed body
+    # stack path -> the parameters its scan slices by layer (inputs on axis 0; none for a loop,
+    # an RNN's over steps), stacks outside any other transformed body
     self.stacked: dict[str, tuple[str, ...]] = {}
 
   @property
@@ -276,9 +276,9 @@ class Recorder:
 
     carry, (ys, outputs, inputs) = original(scanned, init, (xs, probes), length, reverse, unroll, **kwargs)
     if parent is self.root and frames[0].root is not None:
-      sliced = tuple(self.params[id(x)] for x in jax.tree.leaves(xs) if id(x) in self.params)
-      if sliced:
-        self.stacked[frames[0].root] = sliced  # its layers' calls: `<root>/<layer>/...`
+      # Its layers' calls: `<root>/<layer>/...`; a scan slicing no parameters (`()`) is a loop.
+      self.stacked[frames[0].root] = tuple(
+          self.params[id(x)] for x in jax.tree.leaves(xs) if id(x) in self.params)
     order = range(layers - 1, -1, -1) if reverse else range(layers)
     body = frames[0]
     parent.order += [_expand(k, i) for i in order for k in body.order]
@@ -586,7 +586,8 @@ class RecordedProbe(adapter.Probe):
   `events`, ('call' | 'return', key) in execution order (a call's arguments are compared
   as it starts); `callers`, each call's caller (the module whose code made its arguments);
   `stacked`, each opened stack's path -> the parameters its scan slices by layer on axis 0
-  (their gradients are compared layer by layer in the backward pass); `nnx_names`, an NNX
+  (their gradients are compared layer by layer in the backward pass; none: a loop, which
+  slices none); `nnx_names`, an NNX
   probe's calls by their NNX names, keyed by Linen's, where the two differ (`nnx_probe`)."""
 
   events: list[tuple[str, str]] = dataclasses.field(default_factory=list)
@@ -629,6 +630,9 @@ class Localization:
   # Linen call key -> the NNX name of the same call, where they differ (RecordedProbe.nnx_names):
   # the lines name a module by both sides' paths, `LayerNorm_1 (NNX: ln2)`.
   nnx_names: dict[str, str] = dataclasses.field(default_factory=dict)
+  # The opened scans that slice no parameters by their index (a recurrent cell's loop over time
+  # steps, not a stack of layers): a module inside one is reported with its iteration.
+  loops: tuple[str, ...] = ()
 
   def _call(self, key: str) -> str:
     """A call's key, with its NNX name after it where that differs."""
@@ -643,11 +647,14 @@ class Localization:
     return module if own is None or own == module else f'{module} (NNX: {own})'
 
   def first(self, step: int | None = None) -> dict[str, Any] | None:
-    """The first divergent module: `{step, path, layer, pass, max_ulp}` (None: none found).
+    """The first divergent module: `{step, path, layer, iteration, pass, max_ulp}` (None: none
+    found).
 
     A layer of a stack (`.../layers_<i>/...`, as the unscanned twin of a
     scanned stack names it; `<stack>/<i>/...`, a scanned stack's layer as the
-    opened probes name it) is reported as the stack's path with its index.
+    opened probes name it) is reported as the stack's path with its index as
+    `layer`; a module inside a loop that slices no parameters (`loops`: an
+    RNN's steps), with its index as `iteration`.
     """
     if self.forward is not None:
       module, pass_name, ulp = self.forward, 'forward', self.forward_ulp
@@ -656,15 +663,19 @@ class Localization:
       pass_name, ulp = 'backward', self.backward_ulp[module]
     else:
       return None
+    iteration = None
     m = _LAYER.search(module)
     if m is not None:
       layer = int(m.group(2))
       path = module[:m.start()] + m.group(1) + 'layers' + m.group(3) + module[m.end():]
-    else:  # a layer of an opened scan, `<stack>/<layer>/...`
+    else:  # a layer of an opened scan, `<stack>/<layer>/...`, or an iteration of a loop
       m = _SCANNED_LAYER.search(module)
       layer = None if m is None else int(m.group(2))
       path = module if m is None else (module[:m.start()] + module[m.end():]).lstrip('/')
-    return {'step': step, 'path': path.rstrip('/'), 'layer': layer, 'pass': pass_name, 'max_ulp': ulp}
+      if m is not None and module[:m.start()] in self.loops:
+        layer, iteration = None, layer
+    return {'step': step, 'path': path.rstrip('/'), 'layer': layer, 'iteration': iteration,
+            'pass': pass_name, 'max_ulp': ulp}
 
   @property
   def clean(self) -> bool:
@@ -903,6 +914,7 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       forward_unrecorded=_outermost_inside(forward, unrecorded) if inside else (),
       forward_argument=argument[0] if argument is not None else None,
       nnx_names=dict(getattr(nnx_probe, 'nnx_names', None) or {}),
+      loops=_loops(linen, nnx_probe),
   )
 
 
@@ -917,7 +929,15 @@ def _one_sided(order: list[str], other: adapter.Probe) -> list[str]:
 def _stacked(linen: adapter.Probe, nnx_probe: adapter.Probe) -> dict[str, tuple[str, ...]]:
   """The stacks both probes opened, each with the parameters both slice by layer on axis 0."""
   a, b = getattr(linen, 'stacked', {}), getattr(nnx_probe, 'stacked', {})
-  return {stack: tuple(p for p in a[stack] if p in b[stack]) for stack in a if stack in b}
+  return {stack: tuple(p for p in a[stack] if p in b[stack]) for stack in a if stack in b
+          if a[stack] or b[stack]}
+
+
+def _loops(linen: adapter.Probe, nnx_probe: adapter.Probe) -> tuple[str, ...]:
+  """The scans both probes opened that slice no parameters on either side: loops (an RNN's
+  over its steps), not stacks of layers."""
+  a, b = getattr(linen, 'stacked', {}), getattr(nnx_probe, 'stacked', {})
+  return tuple(stack for stack in a if stack in b and not a[stack] and not b[stack])
 
 
 def _layer_params(module: str, stacked: dict[str, tuple[str, ...]], params: list[str]):

@@ -272,6 +272,24 @@ def _broadcast_streams(rnn: nnx.RNN, held: list[tuple[str, nnx.RngStream]]) -> b
   return True if taken == held_ids else None
 
 
+def rnn_left_as_drawn(model: nnx.Module, nnx_module: str) -> list[tuple[str, Any]]:
+  """(NNX path, `broadcast_rngs`) of each `nnx.RNN` on the way to `nnx_module` (an NNX path; a
+  loop index in it is skipped) whose cell keeps dropout streams the kit leaves as nnx.RNN draws
+  them, its filter taking the cell's RNG state otherwise than those streams whole
+  (`_broadcast_streams`); [] where there is none."""
+  found, node, path = [], model, []
+  for name in filter(None, nnx_module.split('/')):
+    if isinstance(node, nnx.RNN):
+      held = held_streams(node.cell)
+      if held and _broadcast_streams(node, held) is None:
+        found.append(('/'.join(path), node.broadcast_rngs))
+    if name.isdigit() and not hasattr(node, '__getitem__'):
+      continue  # a loop's index (`rnn/cell/1/dropout`): the module is the loop's own
+    node = node[int(name)] if name.isdigit() else getattr(node, name)
+    path.append(name)
+  return found
+
+
 def _held(module) -> Any:
   """The RNG stream a stock dropout (or attention) keeps as an attribute, or None."""
   stream = getattr(module, 'rngs', None)

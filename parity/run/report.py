@@ -315,6 +315,8 @@ class Report:
     first = r.first_divergent_module
     if first is not None:
       layer = '' if first['layer'] is None else f', layer {first["layer"]}'
+      if first.get('iteration') is not None:
+        layer = f', iteration {first["iteration"]} of its loop'
       ulp = ('no ULP distance (dtypes or shapes differ)' if first['max_ulp'] is None
              else f'max {first["max_ulp"]} ULP')
       out.append(f'  first divergent module: {first["path"]}{layer}, {first["pass"]} pass, {ulp}')
