@@ -9,10 +9,12 @@ import difflib
 import io
 import re
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import pytest
 
 from models import data, rng
@@ -196,6 +198,25 @@ def test_canonical_form_ignores_names_order_and_dead_code():
   body = next(i for i, l in enumerate(lines) if 'func.func public @main' in l) + 1
   lines.insert(body, '    %dead = stablehlo.constant dense<7.0> : tensor<f32>')
   assert programs.diff(linen, '\n'.join(lines)).identical
+
+
+def test_a_long_diff_is_cut_line_by_line_with_a_changed_pair_cut_around_its_difference():
+  """Of a run of removed lines beside fewer added ones, the last removed lines pair with the added
+  ones, each pair cut around where it differs; the rest are cut on their own. Linear in the diff:
+  a diff of thousands of lines (a program that differs everywhere) is cut at once."""
+  a, b = 'x' * 200 + 'A' + 'y' * 20, 'x' * 200 + 'B' + 'y' * 20
+  lines = ['@@ -1 +1 @@', '-' + 'z' * 300, '-' + a, '+' + b, ' context']
+  cut = programs._clip_diff(lines, 40)
+  assert cut[:2] == ['@@ -1 +1 @@', programs._clip('-' + 'z' * 300, 40)]
+  assert 'A' in cut[2] and 'B' in cut[3], cut  # each cut around where the pair differs
+  assert cut[2][0] == '-' and cut[3][0] == '+' and len(cut[2]) <= 40 and cut[4] == ' context', cut
+  # More added lines than removed: none paired, each cut on its own.
+  assert programs._clip_diff(['-' + a, '+' + b, '+' + b], 40) == [programs._clip(line, 40) for line in
+                                                                   ('-' + a, '+' + b, '+' + b)]
+  many = ['-%x = op' + str(i) for i in range(20000)] + ['+%y = op']
+  started = time.perf_counter()
+  assert len(programs._clip_diff(many, 160)) == len(many)
+  assert time.perf_counter() - started < 5, 'cut in time quadratic in the diff'
 
 
 def test_program_diff_finds_a_changed_constant():

@@ -1305,7 +1305,8 @@ def _parting(a: list[str], b: list[str], most: int = 3) -> tuple[list[int], list
 
 
 def _clip_diff(lines: list[str], width: int) -> list[str]:
-  """Unified-diff lines cut to `width`; a changed line pair is cut around its difference."""
+  """Unified-diff lines cut to `width`; a changed line pair is cut around its difference (the
+  last removed lines of a run beside as many added ones; the rest, each on its own)."""
   out, i = [], 0
   while i < len(lines):
     minus = i
@@ -1314,15 +1315,18 @@ def _clip_diff(lines: list[str], width: int) -> list[str]:
     plus = minus
     while plus < len(lines) and lines[plus].startswith('+') and not lines[plus].startswith('+++'):
       plus += 1
-    removed, added = lines[i:minus], lines[minus:plus]
-    if removed and len(removed) == len(added):
-      starts = [_first_difference(r[1:], a[1:]) for r, a in zip(removed, added)]
-      out += [r[0] + _clip(r[1:], width - 1, k) for r, k in zip(removed, starts)]
-      out += [a[0] + _clip(a[1:], width - 1, k) for a, k in zip(added, starts)]
-      i = plus
-    else:
+    if plus == i:  # context, or a file header
       out.append(_clip(lines[i], width))
       i += 1
+      continue
+    paired = plus - minus if minus - i >= plus - minus else 0  # as many removed lines as added
+    out += [_clip(line, width) for line in lines[i:minus - paired]]
+    removed, added = lines[minus - paired:minus], lines[minus:plus] if paired else []
+    starts = [_first_difference(r[1:], a[1:]) for r, a in zip(removed, added)]
+    out += [r[0] + _clip(r[1:], width - 1, k) for r, k in zip(removed, starts)]
+    out += [a[0] + _clip(a[1:], width - 1, k) for a, k in zip(added, starts)]
+    out += [] if paired else [_clip(line, width) for line in lines[minus:plus]]
+    i = plus
   return out
 
 
