@@ -226,8 +226,8 @@ def test_after_the_loop_the_cells_stream_holds_its_key_and_the_count_the_loop_le
 def test_one_recurrent_mask_for_every_step_is_drawn_as_linens_broadcast_key(monkeypatch):
   """Variational dropout (one mask for every step of a sequence: Linen's `split_rngs={'dropout':
   False}`, NNX's `broadcast_rngs='dropout'`): the kit hands each step the stream's key unsplit, as
-  Linen broadcasts it, and the gradients are bit for bit; left as nnx.RNN draws it (its key split
-  once first), the grads part fails at the cell's dropout."""
+  Linen broadcasts it, and the gradients are bit for bit; left as nnx.RNN draws it (its own keys),
+  the grads part fails at the cell's dropout."""
   from parity.battery import checks
   from parity.pairs import dropout
 
@@ -240,20 +240,22 @@ def test_one_recurrent_mask_for_every_step_is_drawn_as_linens_broadcast_key(monk
 
   pair = parity.Pair('rnn_mask_per_sequence', sides, functools.partial(rnn_batch, cfg), parts=('grads',))
   checks.check_grads(pair)
-  monkeypatch.setattr(dropout, '_broadcast_streams', lambda rnn, held: None if rnn.broadcast_rngs else set())
+  monkeypatch.setattr(dropout, '_loop_scheme', lambda rnn, held: None if rnn.broadcast_rngs else (False, 0))
   with pytest.raises(AssertionError) as failure:
     checks.check_grads(dataclasses.replace(pair, name='rnn_mask_per_sequence_as_drawn'))
   # From step 1: step 0 drops out the initial carry, zeros under any mask.
   assert 'RecurrentDropoutLSTMCell_0/1/Dropout_0 (NNX: rnn/cell/1/dropout)' in str(failure.value), failure.value
 
 
-@pytest.mark.exhaustive  # a pair of its own (compiles)
+@pytest.mark.exhaustive  # two pairs of their own (compile)
 @pytest.mark.xdist_group('parity-rnn')
-def test_a_broadcast_the_kit_leaves_as_drawn_fails_with_the_rnn_and_its_filter_named():
-  """An nnx.RNN whose `broadcast_rngs` takes its cell's stream otherwise than whole
-  (`nnx.RngKey`: the key and not the count, so nnx.RNN splits nothing) is left as nnx.RNN draws
-  it, every step drawing with the stream's one key; beside Linen's mask per step the grads part
-  fails at the cell's dropout, and names the RNN, its filter, and the filters the kit takes."""
+def test_a_loop_that_carries_the_count_draws_a_mask_per_step_and_fails_beside_one_per_sequence():
+  """`broadcast_rngs=nnx.RngKey` broadcasts the stream's key and not its count, which nnx.RNN's loop
+  carries: every step draws another mask, as Linen's per-step split does, and the kit draws it so
+  (bit for bit beside Linen's `split_rngs={'dropout': True}`). Beside Linen's one mask for every
+  step (`split_rngs={'dropout': False}`) the grads part fails at the cell's dropout, and says what
+  the NNX RNN's filter does and which one the Linen side needs. (The kit used to draw this loop
+  one mask for every step, passing a port whose masks differ from step to step.)"""
   from parity.battery import checks
 
   def key_only(seed):
@@ -261,37 +263,62 @@ def test_a_broadcast_the_kit_leaves_as_drawn_fails_with_the_rnn_and_its_filter_n
     model.rnn.broadcast_rngs = nnx.RngKey
     return model, optimizer
 
-  def sides(mesh):
-    linen, nnx_side = make_sides(mesh)
-    return linen, dataclasses.replace(nnx_side, create=key_only)
+  def sides(linen_cfg):
+    def make(mesh):
+      linen, nnx_side = make_sides(mesh)
+      return (dataclasses.replace(linen, create=functools.partial(linen_rnn.create_train_state, linen_cfg)),
+              dataclasses.replace(nnx_side, create=key_only))
+    return make
 
-  pair = parity.Pair('rnn_key_only_broadcast', sides, functools.partial(rnn_batch, CFG), parts=('grads',))
+  checks.check_grads(parity.Pair('rnn_key_only_per_step', sides(CFG), functools.partial(rnn_batch, CFG),
+                                 parts=('grads',)))
+  per_sequence = dataclasses.replace(CFG, recurrent_dropout_per_sequence=True)
+  pair = parity.Pair('rnn_key_only_beside_per_sequence', sides(per_sequence),
+                     functools.partial(rnn_batch, CFG), parts=('grads',))
   with pytest.raises(AssertionError) as failure:
     checks.check_grads(pair)
   text = str(failure.value)
   assert 'RecurrentDropoutLSTMCell_0/1/Dropout_0 (NNX: rnn/cell/1/dropout)' in text, text
-  assert "in the cell of the nnx.RNN at rnn, whose broadcast_rngs is RngKey." in text, text
-  assert "any other filter it leaves as nnx.RNN draws it" in text, text
+  assert ("in the cell of the nnx.RNN at rnn (broadcast_rngs=RngKey): its loop carries the stream's count"
+          in text), text
+  assert "the NNX RNN needs broadcast_rngs='dropout'" in text, text
 
 
-@pytest.mark.parametrize('broadcast,taken', [
-    (None, False),  # carried: a key per step, split
-    ('dropout', True),  # the held stream, its key and its count: one mask for every step
-    ('params', False),  # no RNG state of the cell
-    (nnx.RngKey, None),  # the key and not the count: nnx.RNN does not split it, and carries the count
+@pytest.mark.parametrize('broadcast,scheme', [
+    (None, (False, 0)),  # carried: a mask per step
+    ('dropout', (True, 1)),  # the stream whole: split once, one mask for every step
+    (nnx.RngState, (True, 1)),  # all the cell's RNG state, which is the held stream
+    ('params', (False, 0)),  # no RNG state of the cell: carried
+    (nnx.RngKey, (False, 0)),  # the key and not the count: not split, the count carried
+    (nnx.RngCount, (True, 0)),  # the count and not the key: not split, the count broadcast
     (lambda path, value: path[:1] == ('dropout',), None),  # by path in the cell: flax's split sees other paths
-], ids=['none', 'its_stream', 'other_state', 'key_only', 'by_path_in_the_cell'])
-def test_the_kit_takes_over_a_broadcast_only_where_nnx_rnn_broadcasts_the_held_stream_whole(broadcast, taken):
-  """The kit hands each step the stream's key unsplit only where nnx.RNN would split and broadcast
-  the held stream itself (its key and its count, seen as flax's split and its loop see them);
-  any other filter is left as nnx.RNN draws it."""
+], ids=['none', 'its_stream', 'rng_state', 'other_state', 'key_only', 'count_only', 'by_path_in_the_cell'])
+def test_the_kit_draws_a_recurrent_loop_as_its_count_is_carried_or_broadcast(broadcast, scheme):
+  """A step of nnx.RNN's loop draws `fold_in(key, count)`: a mask per step where the loop carries
+  the stream's count, one mask for every step where it broadcasts it. The kit draws each as Linen
+  draws the same masks, and advances the count as nnx.RNN's own loop does (one draw where it splits
+  the stream first); a filter the kit cannot read so is left as nnx.RNN draws it, and named."""
+  import contextlib
+
+  import jax.numpy as jnp
+
   from parity.pairs import dropout
 
-  cell = nnx_rnn.RecurrentDropoutLSTMCell(4, 8, 0.1, rngs=nnx.Rngs(params=0, dropout=0))
-  rnn = nnx.RNN(cell, broadcast_rngs=broadcast)
-  assert dropout._broadcast_streams(rnn, dropout.held_streams(cell)) is taken
-  # The hint of a failure there names the RNN whose filter the kit leaves as drawn, and no other.
-  model = nnx.Dict(rnn=rnn)
-  left = [('rnn', broadcast)] if taken is None else []
+  def rnn():
+    cell = nnx_rnn.RecurrentDropoutLSTMCell(4, 8, 0.1, rngs=nnx.Rngs(params=0, dropout=0))
+    cell.dropout.deterministic = False
+    return nnx.RNN(cell, broadcast_rngs=broadcast)
+
+  loop = rnn()
+  assert dropout._loop_scheme(loop, dropout.held_streams(loop.cell)) == scheme
+  counts = []
+  for kit in (False, True):
+    loop = rnn()
+    with dropout.linen_dropout_keys() if kit else contextlib.nullcontext():
+      loop(jnp.ones((1, 5, 4)))
+    counts.append(int(loop.cell.dropout.rngs.count[...]))
+  assert counts[0] == counts[1], counts
+  # A failure there names the RNN and how the kit reads its loop.
+  model = nnx.Dict(rnn=loop)
   for module in ('rnn/cell/dropout', 'rnn/cell/1/dropout'):  # as reported, and with the step's index
-    assert dropout.rnn_left_as_drawn(model, module) == left, module
+    assert dropout.rnn_loops(model, module) == [('rnn', broadcast, scheme)], module

@@ -235,18 +235,9 @@ class _Runs:
               " from make_rng('dropout'): their masks cannot be equal. Give the NNX side Linen's keys,"
               " with no change to either model: StockNnx(..., dropout_keys='linen') seeds the streams"
               " the model keeps with the key Linen's apply receives (docs/plugin.md, \"Stock dropout\")"]
-    rnns = self.rnns_left_as_drawn(nnx_module)
-    if rnns:
-      path, broadcast = rnns[0]
-      broadcast = broadcast.__name__ if isinstance(broadcast, type) else repr(broadcast)
-      return [f"{named} draws from an RNG stream the NNX model keeps ({where}), in the cell of the"
-              f" nnx.RNN at {path or 'the root'}, whose broadcast_rngs is {broadcast}. The kit gives"
-              " every step Linen's key only where broadcast_rngs is None (a key per step, as Linen's"
-              " nn.RNN(..., split_rngs={'dropout': True}) splits it) or takes the cell's dropout"
-              " streams whole and no other RNG state, as broadcast_rngs='dropout' does (one key for"
-              " every step, as split_rngs={'dropout': False}); any other filter it leaves as nnx.RNN"
-              " draws it. Give the NNX RNN the one of those that matches the Linen side's split_rngs"
-              ' (docs/plugin.md, "Stock dropout")']
+    loops = self.rnn_loops(nnx_module)
+    if loops:
+      return [rnn_loop_line(named, where, *loops[-1])]
     return [f"{named} draws from an RNG stream the NNX model keeps ({where}), which the kit seeds with"
             " Linen's keys (dropout_keys='linen'), and still differs: the kit seeds it with the key a"
             " stock Linen step gives its apply, parity.step_key(dropout_base, step, 0) (in the grads"
@@ -267,14 +258,14 @@ class _Runs:
       return []
     return ['/'.join(p for p in (nnx_module, path, 'rngs') if p) for path, _ in held]
 
-  def rnns_left_as_drawn(self, nnx_module: str) -> list[tuple[str, Any]]:
-    """The `nnx.RNN`s on the way to `nnx_module`, in a fresh model of the NNX side, whose dropout
-    streams the kit leaves as drawn (`parity.pairs.dropout.rnn_left_as_drawn`); [] where none is
-    or it cannot tell."""
+  def rnn_loops(self, nnx_module: str) -> list[tuple[str, Any, Any]]:
+    """The `nnx.RNN`s with dropout streams in their cells on the way to `nnx_module`, in a fresh
+    model of the NNX side, each with how its loop draws them (`parity.pairs.dropout.rnn_loops`);
+    [] where none is or it cannot tell."""
     try:
       with compat.eager_sharding_off():
         model = self.side('nnx').create(self.pair.seed)[0]
-      return pair_dropout.rnn_left_as_drawn(model, nnx_module)
+      return pair_dropout.rnn_loops(model, nnx_module)
     except Exception:  # pylint: disable=broad-except  (a hint only)
       return []
 
@@ -1150,6 +1141,31 @@ def _numbers_part(pair: adapter.Pair, runs: _Runs, d: programs.ProgramDiff,
 # program part tries them as a declaration when a pair's programs differ and it declares none.
 STOCK_LOWERINGS = ('LayerNorm', 'BatchNorm', 'GroupNorm', 'RMSNorm', 'MultiHeadDotProductAttention',
                    'SelfAttention')
+
+
+def rnn_loop_line(named: str, where: str, path: str, broadcast: Any, scheme: Any) -> str:
+  """Why a dropout held in the cell of an `nnx.RNN` (at `path`, its `broadcast_rngs` and
+  `parity.pairs.dropout._loop_scheme`) differs, and what to give that RNN."""
+  filt = broadcast.__name__ if isinstance(broadcast, type) else repr(broadcast)
+  head = (f"{named} draws from an RNG stream the NNX model keeps ({where}), in the cell of the nnx.RNN"
+          f" at {path or 'the root'} (broadcast_rngs={filt})")
+  docs = ' (docs/plugin.md, "Stock dropout", recurrent dropout)'
+  if scheme is None:
+    return (head + ", whose filter takes the cell's RNG state in a way the kit does not map onto"
+            " Linen's (other RNG state of the cell, or streams that fare otherwise than each other):"
+            " the kit leaves the loop as nnx.RNN draws it, its streams drawing their own keys, not"
+            " Linen's. Give the NNX RNN broadcast_rngs=None for a mask per step (Linen's nn.RNN(...,"
+            " split_rngs={'dropout': True})), or broadcast_rngs='dropout' for one mask for every step"
+            " (split_rngs={'dropout': False}), as the Linen side draws" + docs)
+  if scheme[0]:
+    return (head + ": it broadcasts the stream's count, so its steps draw one mask for every step,"
+            " which the kit draws as Linen's split_rngs={'dropout': False} does. Where the Linen"
+            " side's RNN draws a mask per step (split_rngs={'dropout': True}), the NNX RNN needs"
+            " broadcast_rngs=None" + docs)
+  return (head + ": its loop carries the stream's count, so its steps draw a mask each, which the"
+          " kit draws as Linen's split_rngs={'dropout': True} does. Where the Linen side's RNN"
+          " draws one mask for every step (split_rngs={'dropout': False}), the NNX RNN needs"
+          " broadcast_rngs='dropout' (the stream whole)" + docs)
 
 
 def stock_attention_lines(module: str, modules: Sequence[str] = ()) -> list[str]:

@@ -25,13 +25,14 @@ own key comes from:
   one key per layer, which is what Linen's `nn.scan` / `nn.vmap` with
   `split_rngs={'dropout': True}` gives each layer before folding in the
   module's path;
-- a stream the cell of an `nnx.RNN` keeps (recurrent dropout), which the
-  loop would carry, one key for every step: while the kit traces, the RNN
-  scans it instead, `jax.random.split(key, T)`, one key per step, as
-  Linen's `nn.RNN(..., split_rngs={'dropout': True})` splits it; where the
-  RNN broadcasts it (`broadcast_rngs`, one mask for every step), each step
-  gets the stream's key itself, as Linen's `split_rngs={'dropout': False}`
-  hands each step the key unsplit.
+- a stream the cell of an `nnx.RNN` keeps (recurrent dropout): where the
+  loop carries its count (a mask per step), the RNN scans it instead while
+  the kit traces, `jax.random.split(key, T)`, one key per step, as Linen's
+  `nn.RNN(..., split_rngs={'dropout': True})` splits it; where the RNN
+  broadcasts its count (`broadcast_rngs`, one mask for every step), each
+  step reads the stream's key itself, broadcast, as Linen's
+  `split_rngs={'dropout': False}` hands each step the key unsplit
+  (`_loop_scheme`).
 
 So does the attention dropout of an `nnx.MultiHeadAttention` (Linen's
 `MultiHeadDotProductAttention` draws `make_rng('dropout')` in its own
@@ -42,9 +43,9 @@ feed is compared bit for bit.
 Not covered, and left as drawn: a key array passed at the call (already the
 same on both sides when the Linen side passes it too), streams stacked more
 than once (a scan of scans), one `nnx.RNN` with recurrent dropout called twice in one step (each
-call counts its draws from the first again), an `nnx.RNN` whose `broadcast_rngs` takes its
-cell's RNG state otherwise than its held dropout streams whole (left as drawn:
-`_broadcast_streams`), a Linen module that draws both outside and inside a lifted transform
+call counts its draws from the first again), an `nnx.RNN` whose `broadcast_rngs` the kit
+cannot read as a mask per step or one for every step (`_loop_scheme`: left as drawn, its
+streams drawing their own keys, so that it fails), a Linen module that draws both outside and inside a lifted transform
 in one pass (`linen_draws`), and Linen modules whose RNGs a lifted transform folds otherwise than
 `nn.scan` / `nn.vmap` split them.
 """
@@ -162,7 +163,7 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
     # No key at the call: the stream the module holds (seeded by `seed_held_streams`).
     source = rngs if rngs is not None else _held(self)
     off = deterministic if deterministic is not None else self.deterministic
-    if off or self.rate == 0.0 or self.rate == 1.0:
+    if off or self.rate == 0.0 or self.rate == 1.0 or (rngs is None and _NATIVE_LOOPS):
       return original(self, inputs, deterministic=deterministic, rngs=rngs)
     found = call_of(self, source)
     if found is None:
@@ -176,7 +177,7 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
     dropout draws (`rngs()`, where it draws at all) the key Linen's draws with make_rng('dropout')
     in its scope."""
     source = rngs if rngs is not None else _held(self)
-    found = call_of(self, source) if self.dropout_rate else None
+    found = call_of(self, source) if self.dropout_rate and not (rngs is None and _NATIVE_LOOPS) else None
     if found is None:
       return original_attention(self, *args, rngs=rngs, **kwargs)
     stream = source['dropout'] if isinstance(source, nnx.Rngs) else source
@@ -194,22 +195,34 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
     nnx.RNN.__call__ = original_rnn
 
 
+# Set while an nnx.RNN the kit leaves as drawn runs (`_rnn_with_steps_keys`): the streams held in
+# its cell draw their own keys there, not Linen's, so that a loop the kit cannot map onto Linen's
+# fails rather than passing with keys of the kit's making.
+_NATIVE_LOOPS: list[bool] = []
+
+
 def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
-  """`nnx.RNN.__call__` where its cell keeps dropout streams: each enters the loop as one key per
-  step, `jax.random.split(key, T)` scanned, as Linen's `nn.RNN(..., split_rngs={'dropout': True})`
-  splits the key over the T steps (nnx.RNN would carry the stream, one key for every step). A
-  stream the RNN broadcasts (`broadcast_rngs`: one mask for every step) enters every step as its
-  own key, as Linen's `split_rngs={'dropout': False}` hands each step the key unsplit (nnx.RNN
-  would split it once first: another key). After the loop each stream holds its key again, its
-  count advanced as nnx.RNN's own loop advances it."""
+  """`nnx.RNN.__call__` where its cell keeps dropout streams, each drawn as Linen's `nn.RNN` draws
+  the same masks (`_loop_scheme`). A stream whose count the loop carries (a mask per step: no
+  `broadcast_rngs`, or one that leaves the count out) enters the loop as one key per step,
+  `jax.random.split(key, T)` scanned, as Linen's `split_rngs={'dropout': True}` splits the key over
+  the T steps. A stream whose count the RNN broadcasts (one mask for every step) enters every step
+  as its own key, as Linen's `split_rngs={'dropout': False}` hands each step the key unsplit.
+  After the loop each stream holds its key again, its count advanced as nnx.RNN's own loop
+  advances it. Any other RNN is left as nnx.RNN draws it, its streams drawing their own keys."""
 
   def __call__(self, inputs, **kwargs):
-    # A cell without streams, or an RNN broadcasting its cell's RNG state otherwise than all its
-    # held dropout streams, is left as it is.
     held = held_streams(self.cell)
-    broadcast = _broadcast_streams(self, held) if held else None
-    if broadcast is None:
+    if not held:
       return original(self, inputs, **kwargs)
+    scheme = _loop_scheme(self, held)
+    if scheme is None:
+      _NATIVE_LOOPS.append(True)
+      try:
+        return original(self, inputs, **kwargs)
+      finally:
+        _NATIVE_LOOPS.pop()
+    per_sequence, split_draws = scheme
     streams = [stream for _, stream in held]
     time_major = kwargs.get('time_major')
     time_major = self.time_major if time_major is None else time_major
@@ -222,22 +235,26 @@ def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
             ' gives a recurrent cell one key per step, from a stream of one key')
     # By path in the cell (the loop's copies of the cell hold other objects): the streams' own key
     # and count, kept as the module's `rngs` (`_held`), not the module's other variables.
+    # One mask for every step: each step reads the stream's key itself, broadcast (a value of the
+    # loop's, as Linen's unsplit key is), and its count, scanned.
     prefixes = [tuple(path.split('/')) + ('rngs',) for path, _ in held]
-    per_step = lambda path, value: any(tuple(map(str, path[:len(p)])) == p for p in prefixes)  # noqa: E731
+    under = lambda path, p: tuple(map(str, path[:len(p)])) == p  # noqa: E731
+    keys_of = lambda path, value: any(under(path, p + ('key',)) for p in prefixes)  # noqa: E731
+    per_step = lambda path, value: any(under(path, p) for p in prefixes)  # noqa: E731
     axes, broadcast_rngs = self.state_axes, self.broadcast_rngs
-    self.state_axes = nnx.StateAxes(((per_step, 0),) + tuple(axes.items()))
-    self.broadcast_rngs = None  # the keys below are the broadcast ones, nnx.RNN's split left out
+    self.state_axes = nnx.StateAxes(((keys_of, None),) * per_sequence + ((per_step, 0),) + tuple(axes.items()))
+    self.broadcast_rngs = None  # the keys below are Linen's, nnx.RNN's split left out
     try:
       for stream, key, count in before:
-        keys = jnp.broadcast_to(key, (steps,) + key.shape) if broadcast else jax.random.split(key, steps)
-        compat.set_variable_value(stream.key, keys)
+        if not per_sequence:
+          compat.set_variable_value(stream.key, jax.random.split(key, steps))
         compat.set_variable_value(stream.count, jnp.broadcast_to(count, (steps,)))
       return original(self, inputs, **kwargs)
     finally:
       self.state_axes, self.broadcast_rngs = axes, broadcast_rngs
       for stream, key, count in before:
-        if broadcast:  # nnx.RNN draws the key it splits: one draw, whatever the steps
-          drawn = jnp.ones((), count.dtype)
+        if per_sequence:  # a broadcast count does not advance; nnx.RNN's split of the key draws once
+          drawn = jnp.asarray(split_draws, count.dtype)
         else:  # every step's draws
           drawn = jnp.sum(stream.count[...] - count, dtype=count.dtype)
         compat.set_variable_value(stream.key, key)
@@ -246,43 +263,50 @@ def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
   return __call__
 
 
-def _broadcast_streams(rnn: nnx.RNN, held: list[tuple[str, nnx.RngStream]]) -> bool | None:
-  """Whether `rnn` broadcasts its cell's held streams over its steps (`broadcast_rngs`, which
-  nnx.RNN splits once and hands every step): False where it broadcasts none of its cell's RNG
-  state; None, for the kit to leave the RNN as nnx.RNN draws it, where its filter takes other RNG
-  state, some held streams and not others, or a stream's key and not its count (or the reverse),
-  or matches otherwise by where flax's split looks at a stream (`(0, 0, *path)`, the arguments of
-  its scanned function) than by where its loop does (`path`, in the cell)."""
+def _loop_scheme(rnn: nnx.RNN, held: list[tuple[str, nnx.RngStream]]) -> tuple[bool, int] | None:
+  """How nnx.RNN's own loop draws its cell's held streams, as (one mask for every step, the draws
+  its split of the keys makes: 0 or 1), or None where the kit cannot map it onto Linen's.
+
+  nnx.RNN broadcasts the RNG state its `broadcast_rngs` takes (`nnx.All(nnx.RngState, filter)`)
+  and carries the rest; it splits a stream once first where the filter takes its key and its
+  count. A step draws `fold_in(key, count)`: the masks differ from step to step where the count
+  is carried, and are one mask for every step where it is broadcast. None (left as drawn) where
+  the filter takes other RNG state of the cell (which the kit's loop would carry), the held
+  streams fare otherwise than each other, or a stream is matched otherwise by where flax's split
+  looks at it (`(0, 0, *path)`, the arguments of its scanned function) than by where its loop
+  does (`path`, in the cell)."""
   if rnn.broadcast_rngs is None:
-    return False
+    return False, 0
   predicate = nnx.filterlib.to_predicate(nnx.All(nnx.RngState, rnn.broadcast_rngs))
   held_ids = {id(stream) for _, stream in held}
-  taken = set()
+  schemes = set()
   for path, stream in nnx.iter_graph(rnn.cell):
     if not isinstance(stream, nnx.RngStream):
       continue
-    views = {predicate((*prefix, *path, name), variable)
-             for prefix in ((), (0, 0)) for name, variable in (('key', stream.key), ('count', stream.count))}
-    if views == {True}:
-      taken.add(id(stream))
-    elif views != {False}:
-      return None
-  if not taken:
-    return False
-  return True if taken == held_ids else None
+    taken = {}
+    for name, variable in (('key', stream.key), ('count', stream.count)):
+      views = {predicate((*prefix, *path, name), variable) for prefix in ((), (0, 0))}
+      if len(views) != 1:
+        return None
+      taken[name] = views.pop()
+    if id(stream) not in held_ids:
+      if any(taken.values()):
+        return None
+      continue
+    schemes.add((taken['count'], int(taken['key'] and taken['count'])))
+  return schemes.pop() if len(schemes) == 1 else None
 
 
-def rnn_left_as_drawn(model: nnx.Module, nnx_module: str) -> list[tuple[str, Any]]:
-  """(NNX path, `broadcast_rngs`) of each `nnx.RNN` on the way to `nnx_module` (an NNX path; a
-  loop index in it is skipped) whose cell keeps dropout streams the kit leaves as nnx.RNN draws
-  them, its filter taking the cell's RNG state otherwise than those streams whole
-  (`_broadcast_streams`); [] where there is none."""
+def rnn_loops(model: nnx.Module, nnx_module: str) -> list[tuple[str, Any, tuple[bool, int] | None]]:
+  """(NNX path, `broadcast_rngs`, `_loop_scheme`) of each `nnx.RNN` on the way to `nnx_module`
+  (an NNX path; a loop index in it is skipped) whose cell keeps dropout streams; [] where there
+  is none."""
   found, node, path = [], model, []
   for name in filter(None, nnx_module.split('/')):
     if isinstance(node, nnx.RNN):
       held = held_streams(node.cell)
-      if held and _broadcast_streams(node, held) is None:
-        found.append(('/'.join(path), node.broadcast_rngs))
+      if held:
+        found.append(('/'.join(path), node.broadcast_rngs, _loop_scheme(node, held)))
     if name.isdigit() and not hasattr(node, '__getitem__'):
       continue  # a loop's index (`rnn/cell/1/dropout`): the module is the loop's own
     node = node[int(name)] if name.isdigit() else getattr(node, name)
