@@ -724,14 +724,26 @@ def test_a_declaration_the_battery_cannot_apply_is_an_error(kwargs, message):
     KnownDifference(**args)
 
 
+def _step_declarations():
+  from parity.pairs.adapter import KnownDifference
+  return (KnownDifference(('RNN_0',), ('memory',), 'its loop', max_temp_bytes=128),
+          KnownDifference(('RNN_1',), ('program',), 'another', max_changed_lines=4))
+
+
+_STEP_DECLARATIONS = _step_declarations()
+
+
 @pytest.mark.parametrize('kwargs,message', [
     (dict(steps=0), r"steps: a whole number of train steps, 1 or more, got 0"),
     (dict(steps=2.0), r"steps: a whole number .* got 2.0"),
     (dict(meshes='data=8'), r"meshes: a sequence of mesh specs such as \('data=8',\), got 'data=8'"),
     (dict(meshes=('data=8', '')), r"meshes: a sequence of mesh specs"),
-], ids=['no_steps', 'steps_a_float', 'meshes_a_string', 'an_empty_mesh'])
+    (dict(known_differences=(_STEP_DECLARATIONS)), r"known_differences: 2 declarations of the steps' program or"
+     r" memory .* declare them as one KnownDifference"),
+], ids=['no_steps', 'steps_a_float', 'meshes_a_string', 'an_empty_mesh', 'two_step_declarations'])
 def test_a_pair_the_battery_cannot_run_as_declared_is_an_error(kwargs, message):
-  """Zero steps would compare no training and pass; one mesh string would be taken as its characters."""
+  """Zero steps would compare no training and pass; one mesh string would be taken as its characters;
+  a second declaration of the steps' program or memory would be left unread."""
   from parity.pairs.adapter import Pair
 
   with pytest.raises(ValueError, match=r"Pair 'mine' " + message):

@@ -421,6 +421,14 @@ class Pair:
     # A string would be taken as its characters, each a mesh spec.
     if isinstance(self.meshes, str) or not all(isinstance(m, str) and m for m in self.meshes):
       raise ValueError(f"Pair {self.name!r} meshes: a sequence of mesh specs such as ('data=8',), got {self.meshes!r}")
+    # The program and memory parts read one declaration: a second would be left unread.
+    steps = [d for d in self.known_differences if {'program', 'memory'} & set(d.passes)]
+    if len(steps) > 1:
+      raise ValueError(
+          f"Pair {self.name!r} known_differences: {len(steps)} declarations of the steps' program or memory"
+          f" ({'; '.join(f'{d.paths}, {d.passes}' for d in steps)}), where the battery reads one: declare"
+          " them as one KnownDifference, with the paths of both, the passes of both and the bounds of both"
+          " (max_changed_lines, max_temp_bytes)")
 
   def program_difference(self) -> KnownDifference | None:
     """The declared difference of the steps' programs or memory (None: none declared)."""
