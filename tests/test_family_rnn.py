@@ -161,6 +161,9 @@ def test_a_memory_bound_by_platform_holds_on_the_platforms_it_names_only(declare
     checks.check_memory(pair)
   message = str(failure.value)
   assert 'temp_bytes -8,128 B' in message and 'beyond the declared' not in message, message
+  # The programs are the same, the loop's order flax's own: the declaration to write, its bytes measured.
+  assert ("declare it with the bytes measured: KnownDifference((<the loop's module>,), ('memory',), reason=...,"
+          " max_temp_bytes={'cpu': 8128})" in message), message
   assert message.endswith("names no bound on cpu (max_temp_bytes={'gpu': 8128}); if this is the same cause here,"
                           " add the bytes measured: max_temp_bytes={'gpu': 8128, 'cpu': 8128}"), message
 

@@ -1053,8 +1053,15 @@ def _memory_cause(pair: adapter.Pair, linen: runner.CompiledStep, nnx_: runner.C
   except Exception as e:  # pylint: disable=broad-except  (a hint only: the failure stands without it)
     return f'\nlikely cause: not found (the programs could not be compared: {type(e).__name__}: {e})'
   if d.identical:
-    return ('\nlikely cause: none in the programs, which are identical (the program part passes): XLA lays'
+    said = ('\nlikely cause: none in the programs, which are identical (the program part passes): XLA lays'
             ' out the same computation otherwise' + (f' ({d.loop_order})' if d.loop_order else ''))
+    if runner.memory_drift(*mem, exclude=runner.LAYOUT_MOVE_MEMORY):
+      return said  # the state's bytes moved too: not a layout of temporaries alone
+    moved = runner.temporaries_moved(*mem)
+    return (said + '. Where that layout is flax\'s own and neither model can change it (nn.RNN\'s and'
+            " nnx.RNN's loops carry a cell's parameters in another order), declare it with the bytes"
+            f" measured: KnownDifference((<the loop's module>,), ('memory',), reason=...,"
+            f' max_temp_bytes={{{platform!r}: {moved}}})')
   known = pair.program_difference()
   if known is not None and 'program' in known.passes and 'memory' not in known.passes:
     outside = runner.program_diff_of(linen, nnx_, tuple(known.paths))

@@ -1136,9 +1136,10 @@ def loop_order_difference(
       f'{where} the same {len(x)} values in another'
       f' order, from value {i} on: Linen {", ".join(x[i:i + 3])}, ...; NNX'
       f' {", ".join(y[i:i + 3])}, ... (e.g. nnx.scan flattens a module\'s state by path,'
-      " while Linen's nn.scan takes one collection after another: nnx.StateAxes orders"
-      " them as Linen does; under remat, Linen's collections enter in name order: split"
-      ' the NNX state by filters in that order)'
+      " while Linen's nn.scan takes one collection after another: in an nnx.scan of your"
+      " own, nnx.StateAxes orders them as Linen does; under remat, Linen's collections enter"
+      " in name order: split the NNX state by filters in that order. flax's own loops, as"
+      " nnx.RNN's beside nn.RNN's, keep their order)"
   )
 
 
