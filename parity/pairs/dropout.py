@@ -234,9 +234,9 @@ def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
             f'a dropout stream of more than one key (shape {key.shape}) in the cell of an nnx.RNN: the kit'
             ' gives a recurrent cell one key per step, from a stream of one key')
     # By path in the cell (the loop's copies of the cell hold other objects): the streams' own key
-    # and count, kept as the module's `rngs` (`_held`), not the module's other variables.
-    # One mask for every step: each step reads the stream's key itself, broadcast (a value of the
-    # loop's, as Linen's unsplit key is), and its count, scanned.
+    # and count, kept as the module's `rngs` (`_held`), not the module's other variables. For one
+    # mask for every step each step reads the stream's key itself, broadcast into the loop as
+    # Linen's unsplit key is; the count is scanned either way.
     prefixes = [tuple(path.split('/')) + ('rngs',) for path, _ in held]
     under = lambda path, p: tuple(map(str, path[:len(p)])) == p  # noqa: E731
     keys_of = lambda path, value: any(under(path, p + ('key',)) for p in prefixes)  # noqa: E731
