@@ -214,10 +214,12 @@ class PlantedNnx(nnx.Module):
   """PlantedLinen in NNX; each keyword plants a bug (all False: the same program)."""
 
   def __init__(self, rngs, stream=False, norm=False, frozen=False, swapped=False, eval_scaled=False,
-               counted=False, epsilon=None, zero=False):
+               counted=False, epsilon=None, zero=False, mode_flipped=False):
     self.inp = nnx.Linear(VOCAB, WIDTH, use_bias=False, rngs=rngs)
-    # stream: a stock dropout holding its RNG stream, called without a key.
-    self.dropout = nnx.Dropout(RATE, rngs=rngs) if stream else nnx.Dropout(RATE)
+    # stream: a stock dropout holding its RNG stream, called without a key ('params': the bug, a
+    # stream forked from the model's params stream, not its dropout stream).
+    self.dropout = (nnx.Dropout(RATE, rng_collection='params', rngs=rngs) if stream == 'params' else
+                    nnx.Dropout(RATE, rngs=rngs) if stream else nnx.Dropout(RATE))
     init = nnx.initializers.zeros if zero else nnx.initializers.lecun_normal()  # zero: as PlantedLinen's
     self.hidden1 = nnx.Linear(WIDTH, WIDTH, kernel_init=init, rngs=rngs)
     self.rms = nnx.RMSNorm(WIDTH, rngs=rngs) if norm == 'rms+layer' else None
@@ -229,12 +231,14 @@ class PlantedNnx(nnx.Module):
     self.out = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
     self.calls = Calls(jnp.zeros((), jnp.int32)) if counted else None
     self.stream, self.frozen, self.swapped, self.eval_scaled = stream, frozen, swapped, eval_scaled
+    self.mode_flipped = mode_flipped  # the bug: the dropout given the mode the other way round
 
   def __call__(self, x, train: bool, key=None):
     h = self.inp(x)
     if self.frozen:  # the bug: the same values, no gradient reaches `inp`
       h = jax.lax.stop_gradient(h)
-    h = self.dropout(nnx.relu(h), deterministic=not train, rngs=None if self.stream else key)
+    h = self.dropout(nnx.relu(h), deterministic=train if self.mode_flipped else not train,
+                     rngs=None if self.stream else key)
     if self.eval_scaled and not train:  # the bug: inference-time dropout scaling, in eval mode only
       h = h * (1 - RATE)
     first, second = (self.hidden2, self.hidden1) if self.swapped else (self.hidden1, self.hidden2)
@@ -370,7 +374,7 @@ SIDE_OPTIONS = ('fixed_key', 'decode', 'eval_rmse', 'nnx_only', 'dropout_keys', 
 
 def _planted_sides(model_options, side_options, mesh):
   options = dict(model_options)
-  linen = _planted_linen_side(options.get('stream', False), options.get('norm', False), mesh,
+  linen = _planted_linen_side(bool(options.get('stream', False)), options.get('norm', False), mesh,
                               options.get('zero', False))
   return linen, _planted_nnx_side(model_options, side_options, mesh)
 

@@ -422,3 +422,27 @@ def test_a_dropout_holding_its_stream_is_bitwise_with_linens_keys_only(scheme):
   message = _failure(checks.check_grads, pair)
   assert 'params/Dense_0/kernel' in _differing(message), message
   assert 'first differs at module Dropout_0' in message and "dropout_keys='linen'" in message, message
+
+
+def test_a_kept_stream_forked_from_another_stream_than_dropout_is_left_as_drawn_and_named():
+  """nnx.Dropout(rate, rng_collection='params', rngs=rngs): the stream is forked from the model's
+  params stream, where Linen's dropout draws make_rng('dropout'). The kit gives Linen's keys to
+  'dropout' streams only, so this one draws its own masks and the pair fails there (it passed
+  while every kept stream was seeded, whatever it was forked from)."""
+  message = _failure(checks.check_grads, _pair('stream_of_params', stream='params', dropout_keys='linen'))
+  assert 'params/Dense_0/kernel' in _differing(message), message
+  assert 'first differs at module Dropout_0' in message, message
+  assert ("draws from a stream the NNX model keeps that is forked from another stream than 'dropout'"
+          " (dropout/rngs of 'params')") in message, message
+
+
+def test_a_dropout_off_in_train_mode_is_named_as_not_drawing_not_as_other_keys():
+  """The NNX dropout given the mode the other way round (deterministic=train): in train mode it
+  returns its input, where Linen's drops. The localizer says which side's call returned its input
+  unchanged, and the hint points at the mode, not at the keys the kit seeds."""
+  message = _failure(checks.check_grads, _pair('mode_flipped', stream=True, mode_flipped=True, dropout_keys='linen'))
+  assert 'first differs at module Dropout_0 (NNX: dropout)' in message, message
+  assert ("NNX's call returned its input unchanged and the other side's did not: a dropout off in this"
+          ' mode (deterministic)') in message, message
+  assert "Dropout_0: NNX's dropout returned its input unchanged, where the other side's dropped" in message, message
+  assert 'still differs' not in message, message

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import jax
 import pytest
 
 import parity
@@ -86,6 +87,12 @@ def test_a_memory_difference_names_the_program_difference_as_its_likely_cause():
   assert cause.startswith("likely cause: the train steps' programs differ, and XLA's memory follows the"
                           " program. The program part's finding: programs differ: first difference at"), message
   assert '\n  where they part, Linen: ' in cause and '\n  where they part, NNX: ' in cause, message
+  # Only temporaries moved (the state's bytes equal): the figure a declaration would take, as measured.
+  temp = int(re.match(r'.*NNX temp_bytes -(\d+) B, peak_bytes -(\1) B$', head)[1])
+  platform = jax.devices()[0].platform
+  assert cause.endswith("where it offers one, that declaration takes the memory too, the state's bytes being"
+                        f" equal: passes=('program', 'memory'), max_temp_bytes={{{platform!r}: {temp}}})"), message
+  assert checks._temporaries_alone_moved(checks._runs(_pair('frozen', frozen=True))) == (platform, temp)
 
 
 # --- 3. The program part: a suggestion for each undeclared difference ----------------------
@@ -123,6 +130,20 @@ def test_a_suggested_declaration_shows_the_lines_that_differ():
   assert any(line.startswith('  Linen: ') and 'stablehlo.broadcast_in_dim' in line for line in lines), shown
   assert any(line.startswith('  NNX: ') and 'stablehlo.reshape' in line for line in lines), shown
   assert declaration.startswith("parity.KnownDifference(('LayerNorm_0',), ('program',), max_changed_lines="), message
+
+
+def test_a_suggested_declaration_takes_the_memory_where_only_temporaries_moved(monkeypatch):
+  """Where the lowering that differs also moves temporaries (the state's bytes equal), the one
+  declaration offered names 'memory' beside 'program', with the bytes the memory part measured:
+  a pair may declare its steps' program and memory once only (the user's finding: the program
+  part offered ('program',) alone, and the memory part pointed back at it)."""
+  platform = jax.devices()[0].platform
+  monkeypatch.setattr(checks, '_temporaries_alone_moved', lambda runs: (platform, 640))
+  message = _failure(checks.check_program, _pair('norm', norm=True))
+  assert (f'\nif that is the only difference, declare it, with the temporaries the memory part measured this'
+          f" lowering to move (640 B on {platform}, the state's bytes equal):\n  parity.KnownDifference("
+          "('LayerNorm_0',), ('program', 'memory'), max_changed_lines=") in message, message
+  assert f", max_temp_bytes={{{platform!r}: 640}}, reason=" in message, message
 
 
 def test_a_project_class_named_as_a_stock_layer_is_not_called_flaxs():

@@ -219,12 +219,25 @@ class _Runs:
     if found is None or getattr(side, 'rng_stream_paths', None) is None:  # the stock NNX side's
       return []
     module = found['path']
+    if result.forward_unchanged is not None and found['pass'] == 'forward' and _is_dropout(module):
+      return [f"{module}: {result.forward_unchanged}'s dropout returned its input unchanged, where the"
+              " other side's dropped: it did not draw at all, so the keys are not to blame. Check the"
+              " mode each side gives it in this pass (deterministic=, train=, or a model.eval() or"
+              " nnx.view left in place)"]
     attention = self.nnx_attention(module)
     if attention is not None:  # its kept stream, if any, draws only where no Rngs comes at the call
       return self.attention_lines(module, attention)
     nnx_module = side.renames.to_nnx(module)
     streams = self.drawing_streams(nnx_module)
     if not streams:
+      other = self.drawing_streams(nnx_module, other=True)
+      if other:
+        named = module if nnx_module == module else f'{module} (NNX {nnx_module})'
+        return [f"{named} draws from a stream the NNX model keeps that is forked from another stream"
+                f" than 'dropout' ({', '.join(other)}), where Linen's dropout draws make_rng('dropout'):"
+                " the kit gives Linen's keys to streams forked from the model's 'dropout' stream only,"
+                " and leaves this one as drawn. Fork it from 'dropout' (nnx.Dropout's default"
+                " rng_collection), as the Linen side draws"]
       if module.rsplit('/', 1)[-1].startswith(('MultiHeadDotProductAttention', 'SelfAttention')):
         return stock_attention_lines(module, self.stock_attention_modules())  # the NNX module not found
       return self.dropout_scheme_lines(module)
@@ -244,19 +257,21 @@ class _Runs:
             " part, the loss's key); a Linen step that derives its key otherwise, or a draw the kit"
             " does not see (jax.random called on the stream's key), gives other masks"]
 
-  def drawing_streams(self, nnx_module: str) -> list[str]:
-    """The NNX paths of the streams kept by dropouts at or under `nnx_module` that draw (a rate
-    above 0), in a fresh model of the NNX side; [] where it has none or cannot tell."""
+  def drawing_streams(self, nnx_module: str, other: bool = False) -> list[str]:
+    """The NNX paths of the 'dropout' streams kept by dropouts at or under `nnx_module` that draw (a
+    rate above 0), in a fresh model of the NNX side; with `other`, of those forked from another
+    stream, each with its tag; [] where it has none or cannot tell."""
     side = self.side('nnx')
     try:
       with compat.eager_sharding_off():
         node = side.create(self.pair.seed)[0]
       for name in filter(None, nnx_module.split('/')):
         node = node[int(name)] if name.isdigit() else getattr(node, name)
-      held = pair_dropout.held_streams(node)
+      held = pair_dropout.other_streams(node) if other else pair_dropout.held_streams(node)
     except Exception:  # pylint: disable=broad-except  (a hint only)
       return []
-    return ['/'.join(p for p in (nnx_module, path, 'rngs') if p) for path, _ in held]
+    return ['/'.join(p for p in (nnx_module, path, 'rngs') if p) + (f" of '{tag}'" if other else '')
+            for path, tag in held]
 
   def rnn_loops(self, nnx_module: str) -> list[tuple[str, Any, Any]]:
     """The `nnx.RNN`s with dropout streams in their cells on the way to `nnx_module`, in a fresh
@@ -990,16 +1005,12 @@ def check_memory(pair: adapter.Pair) -> list[str]:
   __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   device = jax.devices()[0]
-  mem = [runs.compiled(s).memory(device) for s in ('linen', 'nnx')]
+  mem, accounted = _measured_memory(runs, device)
   missing = {s: [f for f in runner.MEMORY_FIELDS if m.get(f) is None] for s, m in zip(('linen', 'nnx'), mem)}
   assert not any(missing.values()), (
       f'{pair.name}: XLA memory analysis not measured on {device.platform} (fields missing: {missing});'
       ' nothing compared. Leave the memory part out on a backend without it (--parity-parts)'
   )
-  accounted = []
-  account = getattr(runs.side('nnx'), 'nnx_only_accounting', None)
-  if account is not None and account()['paths']:
-    mem[1], accounted = runner.without_nnx_only(account(), *mem, runs.compiled('linen'), runs.compiled('nnx'), device)
   drift = runner.memory_drift(*mem)
   known = pair.program_difference()
   bound = None if known is None else known.temp_bytes(device.platform)
@@ -1025,6 +1036,34 @@ def check_memory(pair: adapter.Pair) -> list[str]:
       + _memory_cause(pair, linen, nnx_, mem, device.platform)
       + _platform_unnamed(known, device.platform, mem)
   )
+
+
+def _measured_memory(runs: _Runs, device: jax.Device) -> tuple[list[dict[str, Any]], list[str]]:
+  """The two train steps' XLA memory analyses as the memory part compares them (NNX's without
+  the state only NNX keeps), and the accounting lines for that state."""
+  mem = [runs.compiled(s).memory(device) for s in ('linen', 'nnx')]
+  if any(m.get(f) is None for m in mem for f in runner.MEMORY_FIELDS):
+    return mem, []
+  account = getattr(runs.side('nnx'), 'nnx_only_accounting', None)
+  if account is None or not account()['paths']:
+    return mem, []
+  nnx_mem, accounted = runner.without_nnx_only(account(), *mem, runs.compiled('linen'), runs.compiled('nnx'), device)
+  return [mem[0], nnx_mem], accounted
+
+
+def _temporaries_alone_moved(runs: _Runs) -> tuple[str, int] | None:
+  """(platform, bytes) where the train steps' memory differs in temporaries and peak alone (the
+  state's bytes equal): what a lowering that differs moves, for a declaration; None where the
+  memory is equal, the state moved too, or it cannot be measured."""
+  device = jax.devices()[0]
+  try:
+    mem, _ = _measured_memory(runs, device)
+    if (any(m.get(f) is None for m in mem for f in runner.MEMORY_FIELDS) or not runner.memory_drift(*mem)
+        or runner.memory_drift(*mem, exclude=runner.LAYOUT_MOVE_MEMORY)):
+      return None
+  except Exception:  # pylint: disable=broad-except  (a hint only)
+    return None
+  return device.platform, runner.temporaries_moved(*mem)
 
 
 def _platform_unnamed(known: adapter.KnownDifference | None, platform: str,
@@ -1077,7 +1116,10 @@ def _memory_cause(pair: adapter.Pair, linen: runner.CompiledStep, nnx_: runner.C
           f' program part\'s finding: {d.summary(loop_growth=False)}'
           + ''.join(f'\n  {line}' for line in d.parting_lines())
           + '\n(the program part names what differs, with the declaration to write where flax\'s stock layers'
-          ' explain it)')
+          ' explain it' + ('' if runner.memory_drift(*mem, exclude=runner.LAYOUT_MOVE_MEMORY) else
+                           "; where it offers one, that declaration takes the memory too, the state's bytes"
+                           f" being equal: passes=('program', 'memory'), max_temp_bytes={{{platform!r}:"
+                           f' {runner.temporaries_moved(*mem)}}}') + ')')
 
 
 def check_program(pair: adapter.Pair) -> list[str]:
@@ -1148,6 +1190,11 @@ def _numbers_part(pair: adapter.Pair, runs: _Runs, d: programs.ProgramDiff,
 # program part tries them as a declaration when a pair's programs differ and it declares none.
 STOCK_LOWERINGS = ('LayerNorm', 'BatchNorm', 'GroupNorm', 'RMSNorm', 'MultiHeadDotProductAttention',
                    'SelfAttention')
+
+
+def _is_dropout(module: str) -> bool:
+  """Whether a module's path names a dropout (`Dropout_0`, `attention_dropout`)."""
+  return 'dropout' in module.rsplit('/', 1)[-1].lower()
 
 
 def rnn_loop_line(named: str, where: str, path: str, broadcast: Any, scheme: Any) -> str:
@@ -1286,9 +1333,14 @@ def _suggested_declaration(pair: adapter.Pair, runs: _Runs, d: programs.ProgramD
   shown = inside.reshapes[:6] + ([f'... ({len(inside.reshapes) - 6} more)'] if len(inside.reshapes) > 6 else [])
   kinds = f'flax\'s stock {", ".join(kept)} {"lowers" if len(kept) == 1 else "lower"} differently in Linen and NNX'
   if declared is None:
-    declaration = (f'parity.KnownDifference({tuple(modules)!r}, (\'program\',), max_changed_lines={d.changed_lines},'
-                   f' reason="{kinds} (same numbers)")')
-    advice = 'if that is the only difference, declare it (and check the memory part)'
+    moved = _temporaries_alone_moved(runs)
+    passes, temp = (('program',), '') if moved is None else (
+        ('program', 'memory'), f', max_temp_bytes={{{moved[0]!r}: {moved[1]}}}')
+    declaration = (f'parity.KnownDifference({tuple(modules)!r}, {passes!r}, max_changed_lines={d.changed_lines}'
+                   f'{temp}, reason="{kinds} (same numbers)")')
+    advice = ('if that is the only difference, declare it (and check the memory part)' if moved is None else
+              'if that is the only difference, declare it, with the temporaries the memory part measured'
+              f' this lowering to move ({moved[1]:,} B on {moved[0]}, the state\'s bytes equal)')
   else:
     temp = f', max_temp_bytes={adapter.temp_bytes_text(declared.max_temp_bytes)}' if declared.max_temp_bytes else ''
     reason = f'{declared.reason}; {kinds} (same numbers)'

@@ -633,6 +633,9 @@ class Localization:
   # The opened scans that slice no parameters by their index (a recurrent cell's loop over time
   # steps, not a stack of layers): a module inside one is reported with its iteration.
   loops: tuple[str, ...] = ()
+  # 'Linen' or 'NNX': the side whose `forward_call` returned its input unchanged where the
+  # other's did not (a dropout off in this mode, a layer skipped); None: neither, or both.
+  forward_unchanged: str | None = None
 
   def _call(self, key: str) -> str:
     """A call's key, with its NNX name after it where that differs."""
@@ -705,7 +708,10 @@ class Localization:
     elif self.forward is not None:
       method = _method_of(self.forward_call)
       shown = f'module {self._module(self.forward)}' + (f', in its method {method}' if method else '')
-      out.append(f'forward pass: first differs at {shown} ({self.details[self.forward_call]})')
+      unchanged = '' if self.forward_unchanged is None else (
+          f'; {self.forward_unchanged}\'s call returned its input unchanged and the other side\'s did'
+          ' not: a dropout off in this mode (deterministic), or a layer skipped')
+      out.append(f'forward pass: first differs at {shown} ({self.details[self.forward_call]}){unchanged}')
     else:
       out.append('forward pass: every module output bitwise equal')
     for module, params in self.backward:
@@ -844,11 +850,13 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       if not starts:
         argument = _argument_difference(linen.inputs.get(call), nnx_probe.inputs.get(call), call)
       break
-  forward, inside, forward_ulp = None, False, None
+  forward, inside, forward_ulp, unchanged = None, False, None, None
   if forward_call is not None and argument is None:
     forward = _module_of(forward_call)
     keys = [k for k in linen.outputs if k.split(':')[0] == forward_call and k in nnx_probe.outputs]
     forward_ulp = _max_ulp((linen.outputs[k], nnx_probe.outputs[k]) for k in keys)
+    sides = [name for name, probe in (('Linen', linen), ('NNX', nnx_probe)) if _returns_its_input(probe, forward_call)]
+    unchanged = sides[0] if len(sides) == 1 else None
   elif forward_call is not None:
     # An argument differs while every earlier call agrees: the module that made it, its
     # caller, computes otherwise in its own code between its submodules' calls (the one
@@ -915,7 +923,19 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       forward_argument=argument[0] if argument is not None else None,
       nnx_names=dict(getattr(nnx_probe, 'nnx_names', None) or {}),
       loops=_loops(linen, nnx_probe),
+      forward_unchanged=unchanged,
   )
+
+
+def _returns_its_input(probe: adapter.Probe, call: str) -> bool:
+  """Whether `call` returned one array bitwise equal to one of its arguments (a dropout that did
+  not drop, a layer that passed its input through)."""
+  outs = [v for k, v in probe.outputs.items() if k.split(':')[0] == call]
+  if len(outs) != 1 or not hasattr(outs[0], 'shape'):
+    return False
+  out = outs[0]
+  return any(hasattr(x, 'shape') and bitwise.compare_leaves(call, x, out) is None
+             for x in _arguments(probe.inputs.get(call)).values())
 
 
 def _one_sided(order: list[str], other: adapter.Probe) -> list[str]:

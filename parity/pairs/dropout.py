@@ -314,26 +314,43 @@ def rnn_loops(model: nnx.Module, nnx_module: str) -> list[tuple[str, Any, tuple[
   return found
 
 
-def _held(module) -> Any:
-  """The RNG stream a stock dropout (or attention) keeps as an attribute, or None."""
+# The stream whose key Linen's apply receives for its dropouts (`rngs={'dropout': key}`): a kept
+# stream forked from another (`nnx.Dropout(..., rng_collection='params')`) is not given Linen's keys.
+LINEN_STREAM = 'dropout'
+
+
+def _kept(module) -> Any:
+  """The RNG stream a stock dropout (or attention) keeps as an attribute, whatever its tag, or None."""
   stream = getattr(module, 'rngs', None)
   return stream if isinstance(stream, nnx.RngStream) else None
 
 
-def held_streams(model: nnx.Module) -> list[tuple[str, nnx.RngStream]]:
-  """(NNX path, stream) of each stream a stock `nnx.Dropout` or `nnx.MultiHeadAttention` of
-  `model` keeps and draws from (a rate above 0), in graph order."""
-  out = []
+def _held(module) -> Any:
+  """The kept stream the kit gives Linen's keys to (one forked from the model's 'dropout'), or None."""
+  stream = _kept(module)
+  return stream if stream is not None and getattr(stream, 'tag', LINEN_STREAM) == LINEN_STREAM else None
+
+
+def _drawing(model: nnx.Module) -> Iterator[tuple[str, Any]]:
+  """(NNX path, module) of each stock `nnx.Dropout` or `nnx.MultiHeadAttention` of `model` that
+  draws (a rate above 0), in graph order."""
   for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Dropout) and node.rate not in (0.0, 1.0):
-      stream = _held(node)
-    elif isinstance(node, nnx.MultiHeadAttention) and node.dropout_rate:
-      stream = _held(node)
-    else:
-      continue
-    if stream is not None:
-      out.append(('/'.join(str(p) for p in path), stream))
-  return out
+    if ((isinstance(node, nnx.Dropout) and node.rate not in (0.0, 1.0))
+        or (isinstance(node, nnx.MultiHeadAttention) and node.dropout_rate)):
+      yield '/'.join(str(p) for p in path), node
+
+
+def held_streams(model: nnx.Module) -> list[tuple[str, nnx.RngStream]]:
+  """(NNX path, stream) of each 'dropout' stream a stock `nnx.Dropout` or `nnx.MultiHeadAttention`
+  of `model` keeps and draws from (a rate above 0), in graph order."""
+  return [(path, _held(node)) for path, node in _drawing(model) if _held(node) is not None]
+
+
+def other_streams(model: nnx.Module) -> list[tuple[str, str]]:
+  """(NNX path, tag) of each stream a drawing stock dropout of `model` keeps that is forked from
+  another stream than 'dropout': left as drawn (its masks are not Linen's, whatever the keys)."""
+  return [(path, _kept(node).tag) for path, node in _drawing(model)
+          if _kept(node) is not None and _held(node) is None]
 
 
 # A held stream seeded and not yet resolved (static data of the graphdef, so the copies a jit
