@@ -39,7 +39,7 @@ from models.linen import train as linen_train
 from models.nnx import decode as nnx_decode
 from models.nnx import train as nnx_train
 from parity.pairs import adapter
-from parity.compare import decode_localize
+from parity.compare import model_calls
 from parity.compare import localize
 from parity.compare import programs
 
@@ -303,10 +303,16 @@ class LinenSide(_Placement):
     with self.decode_context():
       return linen_decode.lower_step(self.model_cfg, linen_train.model_variables(state), batch, max_len)
 
+  def eval_calls(self, state, batch) -> list[adapter.Probe]:
+    """The eval step's module calls, run eagerly (the eval localizer)."""
+    with self.context():
+      return model_calls.linen_model_calls(
+          lambda: linen_train.make_eval_step(self.model_cfg, self.train_cfg)(state, batch))
+
   def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe]:
     """`decode`'s module calls, run eagerly (the decode localizer)."""
     with self.decode_context():
-      return decode_localize.linen_decode_calls(lambda: linen_decode.decode(
+      return model_calls.linen_model_calls(lambda: linen_decode.decode(
           self.model_cfg, linen_train.model_variables(state), prompt, steps, key, temperature))
 
   def forward(self, state, batch, dropout_key):
@@ -435,10 +441,19 @@ class NnxSide(_Placement):
     with self.decode_context():
       return nnx_decode.lower_step(nnx.merge(self.graphdef, state)[0], batch, max_len)
 
+  def eval_calls(self, state, batch) -> list[adapter.Probe]:
+    """The eval step's module calls, run eagerly and named as Linen's (the eval localizer)."""
+    step = nnx_train.make_eval_step(self.model_cfg, self.train_cfg)
+    with self.context():
+      model, optimizer = nnx.merge(self.graphdef, state)
+      return model_calls.nnx_model_calls(
+          model, lambda m: step(*nnx.split((m, optimizer)), batch),
+          bridge_stock.Renames().to_linen, _linen_dropout_call)
+
   def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe]:
     """`decode`'s module calls, run eagerly and named as Linen's (the decode localizer)."""
     with self.decode_context():
-      return decode_localize.nnx_decode_calls(
+      return model_calls.nnx_model_calls(
           nnx.merge(self.graphdef, state)[0],
           lambda model: nnx_decode.decode(self.model_cfg, model, prompt, steps, key, temperature),
           bridge_stock.Renames().to_linen, _linen_dropout_call)

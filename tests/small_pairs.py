@@ -214,7 +214,7 @@ class PlantedNnx(nnx.Module):
   """PlantedLinen in NNX; each keyword plants a bug (all False: the same program)."""
 
   def __init__(self, rngs, stream=False, norm=False, frozen=False, swapped=False, eval_scaled=False,
-               counted=False, epsilon=None, zero=False, mode_flipped=False):
+               counted=False, epsilon=None, zero=False, mode_flipped=False, eval_dropping=False):
     self.inp = nnx.Linear(VOCAB, WIDTH, use_bias=False, rngs=rngs)
     # stream: a stock dropout holding its RNG stream, called without a key ('params': the bug, a
     # stream forked from the model's params stream, not its dropout stream).
@@ -232,13 +232,14 @@ class PlantedNnx(nnx.Module):
     self.calls = Calls(jnp.zeros((), jnp.int32)) if counted else None
     self.stream, self.frozen, self.swapped, self.eval_scaled = stream, frozen, swapped, eval_scaled
     self.mode_flipped = mode_flipped  # the bug: the dropout given the mode the other way round
+    self.eval_dropping = eval_dropping  # the bug: the dropout on in eval mode too (a model.eval() forgotten)
 
   def __call__(self, x, train: bool, key=None):
     h = self.inp(x)
     if self.frozen:  # the bug: the same values, no gradient reaches `inp`
       h = jax.lax.stop_gradient(h)
-    h = self.dropout(nnx.relu(h), deterministic=train if self.mode_flipped else not train,
-                     rngs=None if self.stream else key)
+    deterministic = False if self.eval_dropping else train if self.mode_flipped else not train
+    h = self.dropout(nnx.relu(h), deterministic=deterministic, rngs=None if self.stream else key)
     if self.eval_scaled and not train:  # the bug: inference-time dropout scaling, in eval mode only
       h = h * (1 - RATE)
     first, second = (self.hidden2, self.hidden1) if self.swapped else (self.hidden1, self.hidden2)

@@ -82,6 +82,9 @@ def test_eval_fails_on_outputs_that_differ_in_eval_mode_only():
   assert message.startswith("eval_scaled: eval-mode outputs from one state (the Linen run's after 2 steps)"
                             ' are not bit-identical: 1 leaf/leaves differ'), message
   assert _differing(message) == ['outputs'], message
+  # The eval localizer: the scaling is the model's own code, between its dropout and Dense_1.
+  assert ('\n  eval localizer: first differs inside module (model), outside its submodules (the input of'
+          ' Dense_1 (NNX: hidden1) differs), run eagerly in eval mode (its argument ') in message, message
 
 
 def test_eval_fails_on_metrics_that_differ_where_the_outputs_agree():
@@ -90,6 +93,24 @@ def test_eval_fails_on_metrics_that_differ_where_the_outputs_agree():
   assert message.startswith("eval_rmse: eval metrics from one state (the Linen run's after 2 steps) are not"
                             ' bit-identical: 1 leaf/leaves differ'), message
   assert _differing(message) == ['loss'], message
+  assert ('\n  eval localizer: all 6 module calls of the eval step agree bit for bit when run eagerly: the'
+          " difference arises outside the modules (the step's loss or metrics on the outputs)") in message, message
+
+
+def test_eval_names_a_dropout_left_on_in_eval_mode():
+  """NNX's dropout, holding its stream, is on in eval mode too (a model.eval() forgotten): training
+  is bit for bit (the kit seeds the stream with Linen's keys), eval is not, and only the eval
+  localizer, which runs the eval step's modules, can name the dropout."""
+  pair = _pair('eval_dropping', stream=True, eval_dropping=True, dropout_keys='linen')
+  assert checks.check_train(pair, 'linen') == []
+  message = _failure(checks.check_eval, pair)
+  assert message.startswith("eval_dropping: eval-mode outputs from one state"), message
+  assert ('\n  eval localizer: first differs at module Dropout_0 (NNX: dropout), run eagerly in eval mode ('
+          in message), message
+  assert ("; Linen's call returned its input unchanged and the other side's did not: a dropout off in this"
+          ' mode (deterministic) on one side only, or a layer skipped\n') in message, message
+  assert ("\n  Dropout_0: NNX's dropout dropped in eval mode, Linen's did not: NNX's eval step leaves it on."
+          in message), message
 
 
 # --- 4. Declared bounds: tight, proven, confined -----------------------------------------

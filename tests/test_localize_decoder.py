@@ -75,3 +75,28 @@ def test_equal_sides_run_no_localizer():
   result = _run(seed=9103)
   assert result.bitwise_equal
   assert result.first_divergent_module is None and result.localizer is None
+
+
+@pytest.mark.exhaustive  # eager, both sides' eval steps: about 18 s on 2 cores
+def test_a_model_eval_forgotten_in_the_nnx_eval_step_is_named_at_the_first_dropout(monkeypatch):
+  """The reference's NNX eval step calls `model.eval()`; without it (flax's `Module.eval` a no-op
+  for the test) its dropouts stay on in eval mode. Training is not touched, and the eval
+  localizer, which runs both eval steps eagerly from one state, names the first dropout
+  and the side that left its input unchanged."""
+  from flax import nnx
+
+  from bridge.sides import as_jax_batch
+  from models import data
+  from parity.compare import eval_localize
+  from tests.runs import start
+
+  scenario = '11_composite_accum'  # dropout 0.1, scanned layers, remat saving dots
+  (linen, nnx_side), states = start(scenario)
+  batch = as_jax_batch(data.make_batch(*get_configs('tiny', scenario), step=0))
+  monkeypatch.setattr(nnx.Module, 'eval', lambda self, **attributes: None)
+  found = eval_localize.localize_eval(*(side.eval_calls(state, batch) for side, state in zip((linen, nnx_side), states)))
+  assert found.first() == {'path': 'decoder/Dropout_0', 'model_call': 0, 'unchanged': 'Linen'}, found.lines()
+  assert found.unrecorded == (), found.unrecorded  # the rematerialised layers' calls recorded too
+  assert found.lines()[0].startswith('eval localizer: first differs at module decoder/Dropout_0 (NNX:'
+                                     ' decoder/dropout), run eagerly in eval mode (bfloat16[8, 64, 64]: '), found.lines()
+

@@ -834,19 +834,26 @@ def check_eval(pair: adapter.Pair) -> list[str]:
   def evaluate(side, state):
     return adapter.checked_metrics(pair.name, side, 'eval_step', side.eval_step(state, batch), need_loss=False)
 
+  nnx_from_linen = nnx_side.from_checkpoint(trained)
   outputs = [getattr(side, 'eval_outputs', lambda *a: None)(state, batch)
-             for side, state in ((linen_side, linen_state), (nnx_side, nnx_side.from_checkpoint(trained)))]
+             for side, state in ((linen_side, linen_state), (nnx_side, nnx_from_linen))]
   if (outputs[0] is None) != (outputs[1] is None):
     raise AssertionError(f'{pair.name}: one side gives its eval-mode outputs (`forward`), the other does'
                          ' not: give both, so that the outputs are compared, or neither')
   notes = ['eval-mode outputs: not compared (give both sides `forward=`: a metric can round a'
            ' difference in the outputs away)'] if outputs[0] is None else []
-  if outputs[0] is not None:
-    notes = compare(pair, 'eval', {'outputs': outputs[0]}, {'outputs': outputs[1]},
-                    f'eval-mode outputs from one state (the Linen run\'s after {pair.steps} steps)')
-  linen_metrics = evaluate(linen_side, linen_state)
-  seen = notes + compare(pair, 'eval', linen_metrics, evaluate(nnx_side, nnx_side.from_checkpoint(trained)),
-                         f'eval metrics from one state (the Linen run\'s after {pair.steps} steps)')
+  try:
+    if outputs[0] is not None:
+      notes = compare(pair, 'eval', {'outputs': outputs[0]}, {'outputs': outputs[1]},
+                      f'eval-mode outputs from one state (the Linen run\'s after {pair.steps} steps)')
+    linen_metrics = evaluate(linen_side, linen_state)
+    seen = notes + compare(pair, 'eval', linen_metrics, evaluate(nnx_side, nnx_from_linen),
+                           f'eval metrics from one state (the Linen run\'s after {pair.steps} steps)')
+  except RefusedDeclaration:  # nothing differs beyond the declarations: nothing to localize
+    raise
+  except AssertionError as e:
+    located = _eval_localized((linen_side, nnx_side), (linen_state, nnx_from_linen), batch)
+    raise AssertionError('\n  '.join([str(e)] + located)) from None
   *_, nnx_state = runs.trajectory('nnx', 'linen')
   own = compare(pair, 'eval', linen_metrics, evaluate(nnx_side, nnx_state),
                 'eval metrics after each side\'s own training (the eval steps agree from one state:'
@@ -1473,6 +1480,28 @@ def _in_place_lines(pair: adapter.Pair, known: adapter.KnownDifference) -> list[
   assert given, f'{pair.name}: {known.describe()} was given to no module'  # make_pair_sides refuses it first
   return [f'{", ".join(given)}: {cls.__name__} given {attribute}=parity.{known.substitute.__name__} by the kit in'
           f' every part (no model edited: {known.reason}); their values are compared bit for bit']
+
+
+def _eval_localized(sides, states, batch) -> list[str]:
+  """The eval localizer's finding, as lines for a failure message (parity.compare.eval_localize),
+  with what a dropout that returned its input unchanged on one side only means in eval mode."""
+  from parity.compare import eval_localize
+
+  if not all(callable(getattr(s, 'eval_calls', None)) for s in sides):
+    return ['eval localizer: not run (a side gives no `eval_calls`)']
+  try:  # the eval part's own failure stays the message's first line, whatever the localizer meets
+    result = eval_localize.localize_eval(*(side.eval_calls(state, batch) for side, state in zip(sides, states)))
+  except Exception as e:  # noqa: BLE001
+    return [f'eval localizer: could not run eagerly ({type(e).__name__}: {e})']
+  lines = result.lines()
+  found = result.first()
+  if found is not None and found['unchanged'] is not None and _is_dropout(found['path']):
+    on = 'NNX' if found['unchanged'] == 'Linen' else 'Linen'
+    lines.append(f"{found['path']}: {on}'s dropout dropped in eval mode, {found['unchanged']}'s did not: {on}'s"
+                 " eval step leaves it on. Give it the eval mode there (deterministic=True at the call,"
+                 " model.eval() or nnx.view(model, deterministic=True) in an NNX eval step, train=False"
+                 " in a Linen apply)")
+  return lines
 
 
 def _decode_localized(pair: adapter.Pair, sides, states, prompt, steps: int, key, temperature) -> list[str]:

@@ -1,12 +1,9 @@
 """The localizer on a decode: the first module call that differs, and in which model call.
 
-A side's decode function runs once more, eagerly (`jax.disable_jit`), with
-every module's `__call__` recorded as the train-mode localizer records it
-(parity/compare/localize.py); a call of the model itself (the prefill's, then
-one per token fed) starts a fresh record. The records are compared model
-call by model call with `localize.localize`, so a module called k times in
-one model call is still matched call by call (`call_key`), and the first
-model call with a differing module output is named with the module.
+A side's decode function runs once more, eagerly, its module calls recorded
+one record per model call (the prefill's, then one per token fed:
+parity/compare/model_calls.py); the first model call with a differing module
+output is named with the module.
 
 Model call r of R maps to the decode's steps as the decode part counts them
 (`Side.decode`): the last `steps - 1` model calls feed tokens 0..steps-2 and
@@ -15,67 +12,12 @@ whose last gives step 0's logits.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Callable
-
-import jax
-from flax import nnx
+from typing import Any
 
 from parity.compare import localize
-from parity.core import compat
+from parity.compare import model_calls as per_call
 from parity.pairs import adapter
-
-
-class _PerModelCall:
-  """Hands each model call (an outermost module call) a recorder of its own; records eagerly."""
-
-  def __init__(self, call_key: Callable[[str], str], to_nnx: Callable[[str], str] | None = None):
-    self.call_key = call_key
-    self.to_nnx = to_nnx  # an NNX side's: a Linen module path -> NNX's (its calls named both ways)
-    self.recorders: list[localize.Recorder] = []
-    self.depth = 0
-
-  def call(self, path: str, args: tuple, run: Callable[[], Any]) -> Any:
-    if self.depth == 0:
-      self.recorders.append(localize.Recorder(None, self.call_key))
-    self.depth += 1
-    try:
-      return self.recorders[-1].call(path, args, run)  # a call under a trace: unrecorded
-    finally:
-      self.depth -= 1
-
-  @contextlib.contextmanager
-  def opened(self):
-    yield  # eager: transformed bodies run as Python, their calls recorded as any other
-
-  def probes(self) -> list[adapter.Probe]:
-    return [localize.RecordedProbe(
-        order=list(r.order), inputs=dict(r.inputs), outputs=localize.flat_outputs(r.outputs),
-        cotangents={}, param_grads={}, unrecorded=r.unrecorded_calls(),
-        nnx_names={} if self.to_nnx is None else localize.nnx_names(r.order, r.root.made_as, self.to_nnx))
-        for r in self.recorders]
-
-
-def linen_decode_calls(decode: Callable[[], Any]) -> list[adapter.Probe]:
-  """The module calls of `decode()` (a Linen side's decode, run eagerly), one probe per model call."""
-  recorder = _PerModelCall(lambda key: key)
-  with jax.disable_jit(), localize.linen_intercept(recorder):
-    decode()
-  return recorder.probes()
-
-
-def nnx_decode_calls(model: nnx.Module, decode: Callable[[nnx.Module], Any], rename: Callable[[str], str],
-                     call_key: Callable[[str], str] = lambda key: key,
-                     to_nnx: Callable[[str], str] = lambda path: path) -> list[adapter.Probe]:
-  """The module calls of `decode(model)` (an NNX side's decode, run eagerly), named by
-  `rename` (NNX path -> Linen's) and `call_key` (a repeated call's key -> Linen's), one
-  probe per model call; each call's NNX name kept where it differs (`to_nnx`, `rename`'s
-  inverse: the localizer names both)."""
-  recorder = _PerModelCall(call_key, to_nnx)
-  with jax.disable_jit(), compat.eager_sharding_off(), localize.nnx_intercept(model, recorder, rename):
-    decode(model)
-  return recorder.probes()
 
 
 @dataclasses.dataclass
@@ -108,15 +50,9 @@ class DecodeLocalization:
     return [f'decode localizer: {self._where()}']
 
   def _where(self) -> str:
-    found = self.found
-    detail = found.details.get(found.forward_call, '')
-    where = (f'inside module {found._module(found.forward)}, outside its submodules (the input of'
-             f' {found._call(found.forward_call)} differs)' if found.forward_inside
-             else f'at module {found._module(found.forward)}')
-    if not found.forward_inside and '#' in found.forward_call:  # a repeated call: a scanned stack's layer, say
-      where += f' (its call {int(found.forward_call.rsplit("#", 1)[1]) + 1} in that model call)'
-
-    return f'first differs {where}, in model call {self.call} of {self.model_calls[0]}: {self.step()} ({detail})'
+    detail = self.found.details.get(self.found.forward_call, '')
+    return (f'first differs {per_call.where(self.found)}, in model call {self.call} of'
+            f' {self.model_calls[0]}: {self.step()} ({detail})')
 
   def first(self) -> dict[str, Any] | None:
     """`{path, model_call, step}` of the first difference (None: none found)."""
@@ -129,11 +65,6 @@ class DecodeLocalization:
 
 def localize_decode(linen: list[adapter.Probe], nnx_calls: list[adapter.Probe], steps: int) -> DecodeLocalization:
   """The first model call of the decode in which a recorded module output differs, and that module."""
-  result = DecodeLocalization(model_calls=(len(linen), len(nnx_calls)), steps=steps)
-  for r, (a, b) in enumerate(zip(linen, nnx_calls)):
-    found = localize.localize(a, b)
-    result.compared_calls += found.compared_calls
-    if found.forward is not None:
-      result.call, result.found = r, found
-      break
-  return result
+  call, found, compared = per_call.first_difference(linen, nnx_calls)
+  return DecodeLocalization(model_calls=(len(linen), len(nnx_calls)), steps=steps, call=call, found=found,
+                            compared_calls=compared)

@@ -83,6 +83,10 @@ class Side(Protocol):
     """Optional (`parity compare --decode`): one decoding step's program, a token a row on a
     cache of `max_len`, for its memory analysis and program comparison (None: not lowered)."""
 
+  def eval_calls(self, state: Any, batch: Any) -> Any:
+    """Optional (the eval localizer): `eval_step`'s module calls, recorded as it runs eagerly, one
+    Probe per model call (parity.compare.model_calls)."""
+
   def decode_calls(self, state: Any, prompt: jax.Array, steps: int, key: jax.Array, temperature: float) -> Any:
     """Optional (the decode localizer): `decode`'s module calls, recorded as it runs eagerly, one
     Probe per model call (parity.compare.decode_localize)."""
@@ -457,7 +461,7 @@ def side_members() -> list[str]:
 # Only the localizer calls `probe`: a side without it runs every other part (the
 # localize part fails naming it, and failures carry no localizer finding). Without
 # `eval_outputs` the eval part compares the metrics alone, and says so.
-OPTIONAL_MEMBERS = ('probe', 'eval_outputs', 'decode', 'decode_calls', 'lower_decode_step')
+OPTIONAL_MEMBERS = ('probe', 'eval_outputs', 'eval_calls', 'decode', 'decode_calls', 'lower_decode_step')
 
 
 def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side, Side]:

@@ -38,7 +38,7 @@ from parity.core import compat
 from parity.pairs import adapter
 from parity.pairs import dropout
 from parity.pairs import substitutes as substitutes_lib
-from parity.compare import decode_localize
+from parity.compare import model_calls
 from parity.compare import localize
 from parity.compare import scopes
 
@@ -248,12 +248,17 @@ class StockLinen(_Stock):
     with self._context():
       return lower(state, batch, max_len)
 
+  def eval_calls(self, state, batch) -> list[adapter.Probe]:
+    """The module calls of the eval step, run eagerly, one probe per model call (the eval localizer)."""
+    with self._context():
+      return model_calls.linen_model_calls(lambda: self.eval_step_fn(state, batch))
+
   def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe] | None:
     """The module calls of `decode`, run eagerly, one probe per model call (the decode localizer)."""
     if self.decode_fn is None:
       return None
     with self._context():
-      return decode_localize.linen_decode_calls(lambda: self.decode_fn(state, prompt, steps, key, temperature))
+      return model_calls.linen_model_calls(lambda: self.decode_fn(state, prompt, steps, key, temperature))
 
   @functools.cached_property
   def _value_and_grads(self):
@@ -579,6 +584,19 @@ class StockNnx(_Stock):
     with self._context(), compat.eager_sharding_off():
       return lower(self._merge(state)[0], batch, max_len)
 
+  def eval_calls(self, state, batch) -> list[adapter.Probe]:
+    """The module calls of the eval step, run eagerly and named as Linen's, one probe per model
+    call (the eval localizer)."""
+    calls = dict(self.call_keys)
+    with self._context(), compat.eager_sharding_off():
+      model, optimizer = self._merge(state)
+      if self.eval_sees_optimizer:
+        run = lambda m: self.eval_step_fn(m, optimizer, batch)  # noqa: E731
+      else:
+        run = lambda m: self.eval_step_fn(m, batch)  # noqa: E731
+      return model_calls.nnx_model_calls(model, run, self.renames.to_linen, lambda key: calls.get(key, key),
+                                         self.renames.to_nnx)
+
   def decode_calls(self, state, prompt, steps, key, temperature) -> list[adapter.Probe] | None:
     """The module calls of `decode`, run eagerly and named as Linen's, one probe per model call."""
     if self.decode_fn is None:
@@ -586,7 +604,7 @@ class StockNnx(_Stock):
     calls = dict(self.call_keys)
     with self._context(), compat.eager_sharding_off():
       model = self._merge(state)[0]
-      return decode_localize.nnx_decode_calls(
+      return model_calls.nnx_model_calls(
           model, lambda m: self.decode_fn(m, prompt, steps, key, temperature), self.renames.to_linen,
           lambda key: calls.get(key, key), self.renames.to_nnx)
 
