@@ -315,9 +315,10 @@ def _planted_linen_code(stream, norm, zero=False):
 def _planted_nnx_code(model_options, fixed_key, decode_bug, eval_rmse):
   """(create, train, eval, loss, forward, decode) of the NNX side, with its bugs."""
   options = dict(model_options)
+  default_rngs = options.pop('default_rngs', False)  # nnx.Rngs(seed) alone: every stream falls back to 'default'
 
   def create(seed):
-    model = PlantedNnx(nnx.Rngs(params=seed, dropout=seed + 1), **options)
+    model = PlantedNnx(nnx.Rngs(seed) if default_rngs else nnx.Rngs(params=seed, dropout=seed + 1), **options)
     return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
   def loss(model, batch, key):

@@ -457,6 +457,15 @@ def test_a_kept_stream_forked_from_another_stream_than_dropout_is_left_as_drawn_
           " (dropout/rngs of 'params')") in message, message
 
 
+def test_a_kept_stream_of_a_model_made_with_one_default_seed_gets_linens_keys():
+  """nnx.Rngs(seed) alone, the NNX tutorials' idiom: the dropout's stream falls back to the model's
+  'default' stream, the only one it has. Its dropout is of the 'dropout' collection, so the kit
+  seeds it as a 'dropout' stream, and the pair is bit for bit (it failed, its stream left as drawn)."""
+  pair = _pair('stream_default', stream=True, default_rngs=True, dropout_keys='linen')
+  assert checks.check_grads(pair) == []
+  assert checks.check_train(pair, 'linen') == []
+
+
 def test_a_dropout_off_in_train_mode_is_named_as_not_drawing_not_as_other_keys():
   """The NNX dropout given the mode the other way round (deterministic=train): in train mode it
   returns its input, where Linen's drops. The localizer says which side's call returned its input

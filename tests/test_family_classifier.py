@@ -21,6 +21,7 @@ import math
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from parity import KnownDifference, Pair, Renames, StockLinen, StockNnx
 from models.families import ClassifierConfig, classifier_batch
@@ -554,9 +555,18 @@ def _stream_sides(mesh):
   return linen, dataclasses.replace(nnx_side, create=create)
 
 
-def _eval_pair(name: str, nnx_cfg=None, eval_scale: float | None = None) -> Pair:
-  """The classifier with its NNX side changed: another config (`nnx_cfg`), or an eval step
-  whose loss is scaled by `eval_scale`; one train step."""
+class _OnBatchStatistics(nnx.BatchNorm):
+  """An nnx.BatchNorm that normalises with the batch's statistics whatever it is told (the bug):
+  in train mode as asked, in eval mode not."""
+
+  def __call__(self, x, use_running_average=None, **kwargs):
+    return super().__call__(x, use_running_average=False, **kwargs)
+
+
+def _eval_pair(name: str, nnx_cfg=None, eval_scale: float | None = None, batch_stats_in_eval: bool = False) -> Pair:
+  """The classifier with its NNX side changed: another config (`nnx_cfg`), an eval step whose
+  loss is scaled by `eval_scale`, or one whose batch norms normalise with the batch's
+  statistics (`batch_stats_in_eval`); one train step."""
   def sides(mesh):
     linen, nnx_side = make_sides(CFG, mesh)
     if nnx_cfg is not None:
@@ -566,6 +576,12 @@ def _eval_pair(name: str, nnx_cfg=None, eval_scale: float | None = None) -> Pair
         metrics = nnx_classifier.eval_step(model, batch)
         return {**metrics, 'loss': metrics['loss'] * eval_scale}
       nnx_side = dataclasses.replace(nnx_side, eval_step_fn=eval_step)
+    if batch_stats_in_eval:
+      def create(seed):
+        model, optimizer = nnx_classifier.create_train_state(CFG, seed)
+        model.bn1.__class__ = model.bn2.__class__ = _OnBatchStatistics  # the same state, the bug's class
+        return model, optimizer
+      nnx_side = dataclasses.replace(nnx_side, create=create)
     return linen, nnx_side
 
   return Pair(name, sides, functools.partial(classifier_batch, CFG), steps=1, parts=('eval',))
@@ -585,6 +601,23 @@ def test_the_eval_part_compares_the_eval_steps_from_one_state_first():
   with pytest.raises(AssertionError, match=r"train_differs: eval metrics after each side's own training \(the"
                      r' eval steps agree from one state: the trained states differ, see the train part\)'):
     battery.check_eval(_eval_pair('train_differs', nnx_cfg=dataclasses.replace(CFG, dropout_rate=0.2)))
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xdist_group('parity-classifier')
+def test_the_eval_localizer_names_a_batch_norm_on_the_batch_statistics_in_eval_mode():
+  """NNX's eval step normalises with the batch's statistics (a `use_running_average` left off in
+  eval mode): the eval localizer names the first batch norm, and says what eval mode asks of it."""
+  from parity.battery import checks as battery
+
+  with pytest.raises(AssertionError) as failure:
+    battery.check_eval(_eval_pair('batch_stats_in_eval', batch_stats_in_eval=True))
+  message = str(failure.value)
+  assert message.startswith("batch_stats_in_eval: eval"), message
+  assert "from one state (the Linen run's after 1 steps) are not bit-identical" in message.splitlines()[0], message
+  assert '\n  eval localizer: first differs at module BatchNorm_0 (NNX: bn1), run eagerly in eval mode (' in message, message
+  assert ('\n  BatchNorm_0: a batch norm: in eval mode both sides normalise with its running averages'
+          in message), message
 
 
 class _ScaledGrads:

@@ -235,9 +235,10 @@ class _Runs:
         named = module if nnx_module == module else f'{module} (NNX {nnx_module})'
         return [f"{named} draws from a stream the NNX model keeps that is forked from another stream"
                 f" than 'dropout' ({', '.join(other)}), where Linen's dropout draws make_rng('dropout'):"
-                " the kit gives Linen's keys to streams forked from the model's 'dropout' stream only,"
-                " and leaves this one as drawn. Fork it from 'dropout' (nnx.Dropout's default"
-                " rng_collection), as the Linen side draws"]
+                " the kit gives Linen's keys to streams forked from the model's 'dropout' stream only"
+                " (or from its 'default' one, where its nnx.Rngs has no 'dropout' stream), and leaves"
+                " this one as drawn. Draw it from 'dropout' (nnx.Dropout's default rng_collection, and"
+                " the stream of that name of the model's nnx.Rngs), as the Linen side draws"]
       if module.rsplit('/', 1)[-1].startswith(('MultiHeadDotProductAttention', 'SelfAttention')):
         return stock_attention_lines(module, self.stock_attention_modules())  # the NNX module not found
       return self.dropout_scheme_lines(module)
@@ -284,9 +285,9 @@ class _Runs:
     except Exception:  # pylint: disable=broad-except  (a hint only)
       return []
 
-  def nnx_attention(self, module: str) -> Any:
-    """The NNX side's `nnx.MultiHeadAttention` at Linen path `module` (a fresh model's, with any
-    declared stand-in given: StockNnx `substitutes`), or None."""
+  def nnx_module_at(self, module: str) -> Any:
+    """The NNX side's module at Linen path `module` (a fresh model's, with any declared stand-in
+    given: StockNnx `substitutes`), or None (a side of another kind, or no such module)."""
     side = self.side('nnx')
     if not hasattr(side, 'create') or not hasattr(side, 'renames'):
       return None
@@ -297,6 +298,11 @@ class _Runs:
         node = node[int(name)] if name.isdigit() else getattr(node, name)
     except Exception:  # pylint: disable=broad-except  (a hint only)
       return None
+    return node
+
+  def nnx_attention(self, module: str) -> Any:
+    """The NNX side's `nnx.MultiHeadAttention` at Linen path `module`, or None."""
+    node = self.nnx_module_at(module)
     return node if isinstance(node, nnx.MultiHeadAttention) else None
 
   def attention_lines(self, module: str, attention: Any) -> list[str]:
@@ -852,7 +858,7 @@ def check_eval(pair: adapter.Pair) -> list[str]:
   except RefusedDeclaration:  # nothing differs beyond the declarations: nothing to localize
     raise
   except AssertionError as e:
-    located = _eval_localized((linen_side, nnx_side), (linen_state, nnx_from_linen), batch)
+    located = _eval_localized(runs, (linen_side, nnx_side), (linen_state, nnx_from_linen), batch)
     raise AssertionError('\n  '.join([str(e)] + located)) from None
   *_, nnx_state = runs.trajectory('nnx', 'linen')
   own = compare(pair, 'eval', linen_metrics, evaluate(nnx_side, nnx_state),
@@ -1482,9 +1488,10 @@ def _in_place_lines(pair: adapter.Pair, known: adapter.KnownDifference) -> list[
           f' every part (no model edited: {known.reason}); their values are compared bit for bit']
 
 
-def _eval_localized(sides, states, batch) -> list[str]:
+def _eval_localized(runs: '_Runs', sides, states, batch) -> list[str]:
   """The eval localizer's finding, as lines for a failure message (parity.compare.eval_localize),
-  with what a dropout that returned its input unchanged on one side only means in eval mode."""
+  with what a dropout that returned its input unchanged on one side only, or a batch norm,
+  means in eval mode."""
   from parity.compare import eval_localize
 
   if not all(callable(getattr(s, 'eval_calls', None)) for s in sides):
@@ -1501,6 +1508,12 @@ def _eval_localized(sides, states, batch) -> list[str]:
                  " eval step leaves it on. Give it the eval mode there (deterministic=True at the call,"
                  " model.eval() or nnx.view(model, deterministic=True) in an NNX eval step, train=False"
                  " in a Linen apply)")
+  elif found is not None and found['unchanged'] is None and isinstance(runs.nnx_module_at(found['path']), nnx.BatchNorm):
+    lines.append(f"{found['path']}: a batch norm: in eval mode both sides normalise with its running averages"
+                 " (Linen: use_running_average=True, from train=False; NNX: model.eval() sets it, as"
+                 " nnx.view(model, use_running_average=True) does: nnx.view(model, deterministic=True) sets"
+                 " the dropouts' mode only). A side that normalises with the batch's statistics in its eval"
+                 " step differs here")
   return lines
 
 

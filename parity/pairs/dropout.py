@@ -315,7 +315,7 @@ def rnn_loops(model: nnx.Module, nnx_module: str) -> list[tuple[str, Any, tuple[
 
 
 # The stream whose key Linen's apply receives for its dropouts (`rngs={'dropout': key}`): a kept
-# stream forked from another (`nnx.Dropout(..., rng_collection='params')`) is not given Linen's keys.
+# stream of another collection (`nnx.Dropout(..., rng_collection='params')`) is not given Linen's keys.
 LINEN_STREAM = 'dropout'
 
 
@@ -326,9 +326,14 @@ def _kept(module) -> Any:
 
 
 def _held(module) -> Any:
-  """The kept stream the kit gives Linen's keys to (one forked from the model's 'dropout'), or None."""
+  """The kept stream the kit gives Linen's keys to, or None: a dropout of the 'dropout' collection
+  (`nnx.Dropout`'s default `rng_collection`; an attention's dropout always is) keeping a stream
+  forked from the model's 'dropout' stream, or from its 'default' stream where the model's Rngs
+  has no 'dropout' one (`nnx.Rngs(seed)`: nnx.Rngs falls back to 'default')."""
   stream = _kept(module)
-  return stream if stream is not None and getattr(stream, 'tag', LINEN_STREAM) == LINEN_STREAM else None
+  if stream is None or getattr(module, 'rng_collection', LINEN_STREAM) != LINEN_STREAM:
+    return None
+  return stream if getattr(stream, 'tag', LINEN_STREAM) in (LINEN_STREAM, 'default') else None
 
 
 def _drawing(model: nnx.Module) -> Iterator[tuple[str, Any]]:
