@@ -81,7 +81,10 @@ def test_eval_fails_on_outputs_that_differ_in_eval_mode_only():
   message = _failure(checks.check_eval, pair)
   assert message.startswith("eval_scaled: eval-mode outputs from one state (the Linen run's after 2 steps)"
                             ' are not bit-identical: 1 leaf/leaves differ'), message
-  assert _differing(message) == ['outputs'], message
+  # The metrics from one state are compared too, and reported with the outputs.
+  assert ("\neval_scaled: eval metrics from one state (the Linen run's after 2 steps) are not bit-identical"
+          in message), message
+  assert _differing(message) == ['outputs', 'loss'], message
   # The eval localizer: the scaling is the model's own code, between its dropout and Dense_1.
   assert ('\n  eval localizer: first differs inside module (model), outside its submodules (the input of'
           ' Dense_1 (NNX: hidden1) differs), run eagerly in eval mode (its argument ') in message, message

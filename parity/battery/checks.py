@@ -848,18 +848,26 @@ def check_eval(pair: adapter.Pair) -> list[str]:
                          ' not: give both, so that the outputs are compared, or neither')
   notes = ['eval-mode outputs: not compared (give both sides `forward=`: a metric can round a'
            ' difference in the outputs away)'] if outputs[0] is None else []
-  try:
-    if outputs[0] is not None:
-      notes = compare(pair, 'eval', {'outputs': outputs[0]}, {'outputs': outputs[1]},
-                      f'eval-mode outputs from one state (the Linen run\'s after {pair.steps} steps)')
-    linen_metrics = evaluate(linen_side, linen_state)
-    seen = notes + compare(pair, 'eval', linen_metrics, evaluate(nnx_side, nnx_from_linen),
-                           f'eval metrics from one state (the Linen run\'s after {pair.steps} steps)')
-  except RefusedDeclaration:  # nothing differs beyond the declarations: nothing to localize
-    raise
-  except AssertionError as e:
+  failures = []  # the outputs' and the metrics' from one state, both compared before either is reported
+
+  def compared(*args) -> list[str]:
+    try:
+      return compare(pair, 'eval', *args)
+    except RefusedDeclaration:  # nothing differs beyond the declarations: nothing to localize
+      raise
+    except AssertionError as e:
+      failures.append(str(e))
+      return []
+
+  if outputs[0] is not None:
+    notes = compared({'outputs': outputs[0]}, {'outputs': outputs[1]},
+                     f'eval-mode outputs from one state (the Linen run\'s after {pair.steps} steps)')
+  linen_metrics = evaluate(linen_side, linen_state)
+  seen = notes + compared(linen_metrics, evaluate(nnx_side, nnx_from_linen),
+                          f'eval metrics from one state (the Linen run\'s after {pair.steps} steps)')
+  if failures:
     located = _eval_localized(runs, (linen_side, nnx_side), (linen_state, nnx_from_linen), batch)
-    raise AssertionError('\n  '.join([str(e)] + located)) from None
+    raise AssertionError('\n  '.join(['\n'.join(failures)] + located)) from None
   *_, nnx_state = runs.trajectory('nnx', 'linen')
   own = compare(pair, 'eval', linen_metrics, evaluate(nnx_side, nnx_state),
                 'eval metrics after each side\'s own training (the eval steps agree from one state:'
