@@ -49,11 +49,8 @@ class EvalLocalization:
   def _where(self) -> str:
     found = self.found
     detail = found.details.get(found.forward_call, '')
-    unchanged = '' if found.forward_unchanged is None else (
-        f'; {found.forward_unchanged}\'s call returned its input unchanged and the other side\'s did not:'
-        ' a dropout off in this mode (deterministic) on one side only, or a layer skipped')
     call = f', in model call {self.call} of {self.model_calls[0]}' if self.model_calls[0] > 1 else ''
-    return f'first differs {per_call.where(found)}{call}, run eagerly in eval mode ({detail}){unchanged}'
+    return f'first differs {per_call.where(found)}{call}, run eagerly in eval mode ({detail}){found.unchanged_note()}'
 
   def first(self) -> dict[str, Any] | None:
     """`{path, model_call, unchanged}` of the first difference (None: none found); `unchanged`,

@@ -649,6 +649,13 @@ class Localization:
     own = next((_module_of(self.nnx_names[k]) for k in calls if k in self.nnx_names), None)
     return module if own is None or own == module else f'{module} (NNX: {own})'
 
+  def unchanged_note(self) -> str:
+    """What `forward_unchanged` tells, after a forward difference's line ('' where it is None)."""
+    if self.forward_unchanged is None:
+      return ''
+    return (f'; {self.forward_unchanged}\'s call returned its input unchanged and the other side\'s did'
+            ' not: a dropout off in this mode (deterministic), or a layer skipped')
+
   def first(self, step: int | None = None) -> dict[str, Any] | None:
     """The first divergent module: `{step, path, layer, iteration, pass, max_ulp}` (None: none
     found).
@@ -708,10 +715,7 @@ class Localization:
     elif self.forward is not None:
       method = _method_of(self.forward_call)
       shown = f'module {self._module(self.forward)}' + (f', in its method {method}' if method else '')
-      unchanged = '' if self.forward_unchanged is None else (
-          f'; {self.forward_unchanged}\'s call returned its input unchanged and the other side\'s did'
-          ' not: a dropout off in this mode (deterministic), or a layer skipped')
-      out.append(f'forward pass: first differs at {shown} ({self.details[self.forward_call]}){unchanged}')
+      out.append(f'forward pass: first differs at {shown} ({self.details[self.forward_call]}){self.unchanged_note()}')
     else:
       out.append('forward pass: every module output bitwise equal')
     for module, params in self.backward:
