@@ -325,3 +325,62 @@ def test_the_kit_draws_a_recurrent_loop_as_its_count_is_carried_or_broadcast(bro
   model = nnx.Dict(rnn=loop)
   for module in ('rnn/cell/dropout', 'rnn/cell/1/dropout'):  # as reported, and with the step's index
     assert dropout.rnn_loops(model, module) == [('rnn', broadcast, scheme)], module
+
+
+class _LinenRnnTwice(linen_rnn.RecurrentLM):
+  """The family's Linen model with its one `nn.RNN` applied twice in a pass (emb_dim == hidden)."""
+
+  @nn.compact
+  def __call__(self, tokens, train: bool = False):
+    cfg = self.cfg
+    x = nn.Embed(cfg.vocab_size, cfg.emb_dim)(tokens)
+    cell = linen_rnn.RecurrentDropoutLSTMCell(cfg.hidden, cfg.recurrent_dropout_rate, deterministic=not train)
+    rnn = nn.RNN(cell, split_rngs={'params': False, 'dropout': True})
+    x = rnn(rnn(x))
+    x = nn.Dropout(cfg.dropout_rate)(x, deterministic=not train)
+    return nn.Dense(cfg.vocab_size)(x)
+
+
+class _NnxRnnTwice(nnx_rnn.RecurrentLM):
+  """The family's NNX model with its one `nnx.RNN` applied twice in a pass, as `_LinenRnnTwice`."""
+
+  def __call__(self, tokens, train: bool = False, rngs=None):
+    self.rnn.cell.dropout.deterministic = not train
+    x = self.rnn(self.rnn(self.embed(tokens)))
+    return self.head(self.dropout(x, deterministic=not train, rngs=rngs))
+
+
+@pytest.mark.exhaustive  # a pair of its own (compiles)
+@pytest.mark.xdist_group('parity-rnn')
+def test_one_rnn_called_twice_in_a_step_draws_each_calls_keys_as_linen():
+  """One RNN applied twice in a pass: Linen's second call splits the same key over the steps and
+  draws on with the cell's dropout's count (flax's scan traces its body first in a check of its
+  own, whose draw is not the loop's: the counts kept are the loop's, 2 and 4). The kit gives NNX's
+  second call the second of them, though each call of nnx.RNN runs on a copy of the cell's stream;
+  the gradients are bit for bit."""
+  from flax.training import train_state
+
+  from parity.battery import checks
+  from parity.pairs import dropout
+
+  cfg = dataclasses.replace(CFG, emb_dim=CFG.hidden)
+
+  def linen_create(seed):
+    model = _LinenRnnTwice(cfg)
+    params = model.init(jax.random.PRNGKey(seed), jax.numpy.zeros((1, cfg.seq_len - 1), jax.numpy.int32))['params']
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=linen_rnn.make_optimizer(cfg))
+
+  def nnx_create(seed):
+    model = _NnxRnnTwice(cfg, rngs=nnx.Rngs(params=seed, dropout=seed))
+    return model, nnx.Optimizer(model, nnx_rnn.make_optimizer(cfg), wrt=nnx.Param)
+
+  def sides(mesh):
+    linen, nnx_side = make_sides(mesh)
+    return dataclasses.replace(linen, create=linen_create), dataclasses.replace(nnx_side, create=nnx_create)
+
+  pair = parity.Pair('rnn_called_twice', sides, functools.partial(rnn_batch, cfg), parts=('grads',))
+  linen, _ = sides(None)
+  state, batch, key = linen.init(0), rnn_batch(cfg, 0), jax.random.PRNGKey(0)
+  draws = dropout.linen_draws(lambda state: linen.loss(state.params, state, batch, key), state)
+  assert draws['RecurrentDropoutLSTMCell_0/Dropout_0'] == (2, 4), draws
+  checks.check_grads(pair)

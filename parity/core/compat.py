@@ -266,6 +266,38 @@ def current_trace() -> Any:
   return jax.extend.core.get_opaque_trace_state(convention='nnx')
 
 
+@contextlib.contextmanager
+def flax_scan_checks() -> Iterator[list[bool]]:
+  """While active, the list yielded is non-empty while flax's `nn.scan` traces its body to check
+  its broadcast values, the trace before the loop's own whose draws are not the loop's (flax
+  `core/axes_scan.py`, `scan_fn`: `pe.trace_to_jaxpr_nounits` in flax 0.12.8,
+  `pe.trace_to_jaxpr_dynamic` in 0.12.12, its only calls of either)."""
+  from flax.core import axes_scan
+
+  pe = axes_scan.pe
+  active: list[bool] = []
+
+  def checking(trace_fn):
+    def traced(*args, **kwargs):
+      active.append(True)
+      try:
+        return trace_fn(*args, **kwargs)
+      finally:
+        active.pop()
+    return traced
+
+  class _Checking:
+    def __getattr__(self, name):
+      value = getattr(pe, name)
+      return checking(value) if name in ('trace_to_jaxpr_nounits', 'trace_to_jaxpr_dynamic') else value
+
+  axes_scan.pe = _Checking()
+  try:
+    yield active
+  finally:
+    axes_scan.pe = pe
+
+
 def set_variable_value(variable: nnx.Variable, value: Any) -> None:
   """Replaces a variable's whole value (not an indexed update: no scatter in the program)."""
   if hasattr(variable, 'set_value'):

@@ -32,7 +32,10 @@ own key comes from:
   broadcasts its count (`broadcast_rngs`, one mask for every step), each
   step reads the stream's key itself, broadcast, as Linen's
   `split_rngs={'dropout': False}` hands each step the key unsplit
-  (`_loop_scheme`).
+  (`_loop_scheme`). An RNN called twice in one step splits the same key at
+  each call and draws on with the count, as Linen's does: each call of
+  nnx.RNN runs on a copy of the stream, so the kit counts the draws by the
+  stream the cell holds outside the loop (`_LOOP_STREAMS`).
 
 So does the attention dropout of an `nnx.MultiHeadAttention` (Linen's
 `MultiHeadDotProductAttention` draws `make_rng('dropout')` in its own
@@ -42,12 +45,12 @@ feed is compared bit for bit.
 
 Not covered, and left as drawn: a key array passed at the call (already the
 same on both sides when the Linen side passes it too), streams stacked more
-than once (a scan of scans), one `nnx.RNN` with recurrent dropout called twice in one step (each
-call counts its draws from the first again), an `nnx.RNN` whose `broadcast_rngs` the kit
+than once (a scan of scans), an `nnx.RNN` whose `broadcast_rngs` the kit
 cannot read as a mask per step or one for every step (`_loop_scheme`: left as drawn, its
-streams drawing their own keys, so that it fails), a Linen module that draws both outside and inside a lifted transform
-in one pass (`linen_draws`), and Linen modules whose RNGs a lifted transform folds otherwise than
-`nn.scan` / `nn.vmap` split them.
+streams drawing their own keys, so that it fails), and Linen modules whose RNGs a lifted
+transform folds otherwise than `nn.scan` / `nn.vmap` split them. Untested: a Linen module that
+draws both outside and inside a lifted transform in one pass (`linen_draws` keeps its counts in
+order).
 """
 from __future__ import annotations
 
@@ -69,37 +72,33 @@ def linen_draws(traced_loss: Callable[..., Any], *args: Any) -> dict[str, tuple[
   """The counts Linen's `make_rng('dropout')` draws with, by scope path, in `traced_loss(*args)` (one
   abstract trace of the Linen side's train-mode loss).
 
-  A count is the scope's draw number, folded into the key. Lifted transforms
-  may trace a body more than once with shared counters (`nn.scan` traces it
-  first in a trace of its own, to find its broadcast values, and its modules
-  go on counting in the body's trace), so each path keeps the counts drawn in
-  the last jax trace that drew there: the pass whose keys are used. A module
-  called twice in one pass (one `nn.Dropout` applied twice) draws in scope
-  objects of its own but in one trace, and keeps both counts. Not told apart:
-  one module drawing on both sides of a lifted boundary in one pass (outside
-  and inside an `nn.remat`, say), which keeps the last trace's counts only.
+  A count is the scope's draw number, folded into the key. `nn.scan` traces
+  its body twice with shared counters: first to check its broadcast values
+  (`compat.flax_scan_checks`), then in the loop's trace, where its modules go
+  on counting. The check's draws are left out, and each path
+  keeps the counts of the draws whose keys are used, in order, however many
+  traces they are in: one `nn.Dropout` applied twice in one pass (in scope
+  objects of its own, in one trace), one `nn.RNN` called twice (each call a
+  loop, a trace, of its own: counts 2 and 4, as each call's check drew 1 and 3).
   """
   from flax.core import scope as core_scope
 
   original = core_scope.Scope.make_rng
-  last: dict[str, tuple[Any, list[int]]] = {}
+  drawn: dict[str, list[int]] = collections.defaultdict(list)
 
   def make_rng(self, name: str = 'params'):
     key = original(self, name)
-    if name == 'dropout' and self.has_rng('dropout'):
-      path = '/'.join(self.path)
-      trace = compat.current_trace()
-      if path not in last or last[path][0] != trace:
-        last[path] = (trace, [])
-      last[path][1].append(self.rng_counters[name])
+    if name == 'dropout' and self.has_rng('dropout') and not checking:
+      drawn['/'.join(self.path)].append(self.rng_counters[name])
     return key
 
   core_scope.Scope.make_rng = make_rng
   try:
-    jax.eval_shape(traced_loss, *args)
+    with compat.flax_scan_checks() as checking:
+      jax.eval_shape(traced_loss, *args)
   finally:
     core_scope.Scope.make_rng = original
-  return {path: tuple(counts) for path, (_, counts) in last.items()}
+  return {path: tuple(counts) for path, counts in drawn.items()}
 
 
 @contextlib.contextmanager
@@ -121,16 +120,19 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
   substituted: collections.Counter = collections.Counter()
   seen: list = []  # the Rngs objects counted, kept alive so that their ids stay theirs
 
-  def call_of(module, rngs) -> tuple[int, str] | None:
+  def call_of(module, rngs, held: bool = False) -> tuple[int, str] | None:
     """(the forward pass, the NNX call `path#n`) of a tagged module given an Rngs or stream at
     the call, counted; None for any other call (left as it is)."""
     path = scopes.tagged_path(module)
     if path is None or not isinstance(rngs, (nnx.Rngs, nnx.RngStream)):
       return None
-    seen.append(rngs)
-    n = nnx_calls[id(rngs), path]
-    nnx_calls[id(rngs), path] += 1
-    return id(rngs), path if n == 0 else f'{path}#{n}'
+    # Inside an nnx.RNN's loop a held stream is the loop's copy, another object at every call of
+    # the RNN: its forward pass is the stream the RNN's cell holds outside the loop.
+    forward = _LOOP_STREAMS[-1] if _LOOP_STREAMS and held else rngs
+    seen.append(forward)
+    n = nnx_calls[id(forward), path]
+    nnx_calls[id(forward), path] += 1
+    return id(forward), path if n == 0 else f'{path}#{n}'
 
   held_roots: list = []  # (trace, the first held stream's key read in it)
 
@@ -165,7 +167,7 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
     off = deterministic if deterministic is not None else self.deterministic
     if off or self.rate == 0.0 or self.rate == 1.0 or (rngs is None and _NATIVE_LOOPS):
       return original(self, inputs, deterministic=deterministic, rngs=rngs)
-    found = call_of(self, source)
+    found = call_of(self, source, held=rngs is None)
     if found is None:
       return original(self, inputs, deterministic=deterministic, rngs=rngs)
     stream = source[self.rng_collection] if isinstance(source, nnx.Rngs) else source
@@ -177,7 +179,8 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
     dropout draws (`rngs()`, where it draws at all) the key Linen's draws with make_rng('dropout')
     in its scope."""
     source = rngs if rngs is not None else _held(self)
-    found = call_of(self, source) if self.dropout_rate and not (rngs is None and _NATIVE_LOOPS) else None
+    found = (call_of(self, source, held=rngs is None)
+             if self.dropout_rate and not (rngs is None and _NATIVE_LOOPS) else None)
     if found is None:
       return original_attention(self, *args, rngs=rngs, **kwargs)
     stream = source['dropout'] if isinstance(source, nnx.Rngs) else source
@@ -199,6 +202,9 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
 # its cell draw their own keys there, not Linen's, so that a loop the kit cannot map onto Linen's
 # fails rather than passing with keys of the kit's making.
 _NATIVE_LOOPS: list[bool] = []
+# While an nnx.RNN the kit draws runs its loop: the first stream its cell holds (outside the loop),
+# which counts the held draws of every call of that RNN in one forward pass (`call_of`).
+_LOOP_STREAMS: list[Any] = []
 
 
 def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -249,8 +255,11 @@ def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
         if not per_sequence:
           compat.set_variable_value(stream.key, jax.random.split(key, steps))
         compat.set_variable_value(stream.count, jnp.broadcast_to(count, (steps,)))
+      _LOOP_STREAMS.append(streams[0])
       return original(self, inputs, **kwargs)
     finally:
+      if _LOOP_STREAMS and _LOOP_STREAMS[-1] is streams[0]:
+        _LOOP_STREAMS.pop()
       self.state_axes, self.broadcast_rngs = axes, broadcast_rngs
       for stream, key, count in before:
         if per_sequence:  # a broadcast count does not advance; nnx.RNN's split of the key draws once
