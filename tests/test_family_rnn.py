@@ -384,3 +384,98 @@ def test_one_rnn_called_twice_in_a_step_draws_each_calls_keys_as_linen():
   draws = dropout.linen_draws(lambda state: linen.loss(state.params, state, batch, key), state)
   assert draws['RecurrentDropoutLSTMCell_0/Dropout_0'] == (2, 4), draws
   checks.check_grads(pair)
+
+
+class _LinenLayer(nn.Module):
+  """One layer of `_LinenStack`: an `nn.RNN` over the family's recurrent-dropout cell."""
+  cfg: RnnConfig
+  train: bool = False
+
+  @nn.compact
+  def __call__(self, x, _):
+    cell = linen_rnn.RecurrentDropoutLSTMCell(self.cfg.hidden, self.cfg.recurrent_dropout_rate,
+                                              deterministic=not self.train)
+    return nn.RNN(cell, split_rngs={'params': False, 'dropout': True})(x), None
+
+
+class _LinenStack(linen_rnn.RecurrentLM):
+  """The family's Linen model with two recurrent layers under `nn.scan` (emb_dim == hidden)."""
+
+  @nn.compact
+  def __call__(self, tokens, train: bool = False):
+    cfg = self.cfg
+    x = nn.Embed(cfg.vocab_size, cfg.emb_dim)(tokens)
+    stack = nn.scan(_LinenLayer, variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
+                    length=2)
+    x, _ = stack(cfg, train, name='layers')(x, None)
+    x = nn.Dropout(cfg.dropout_rate)(x, deterministic=not train)
+    return nn.Dense(cfg.vocab_size)(x)
+
+
+class _NnxLayer(nnx.Module):
+  def __init__(self, cfg, rngs):
+    self.rnn = nnx.RNN(nnx_rnn.RecurrentDropoutLSTMCell(cfg.hidden, cfg.hidden, cfg.recurrent_dropout_rate,
+                                                        rngs=rngs))
+
+
+class _NnxStack(nnx.Module):
+  """`_LinenStack` in NNX: the layers made by `nnx.vmap` (each cell's stream stacked, a key per layer)
+  and run by `nnx.scan`, each layer's `nnx.RNN` carrying its slice of the stream over the steps."""
+
+  def __init__(self, cfg, *, rngs):
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.emb_dim, rngs=rngs)
+
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def layers(rngs):
+      return _NnxLayer(cfg, rngs)
+
+    self.layers = layers(rngs)
+    self.dropout = nnx.Dropout(cfg.dropout_rate)
+    self.head = nnx.Linear(cfg.hidden, cfg.vocab_size, rngs=rngs)
+
+  def __call__(self, tokens, train: bool = False, rngs=None):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def run(layer, x):
+      layer.rnn.cell.dropout.deterministic = not train
+      return layer.rnn(x)
+
+    x = run(self.layers, self.embed(tokens))
+    return self.head(self.dropout(x, deterministic=not train, rngs=rngs))
+
+
+@pytest.mark.exhaustive  # a pair of its own (compiles)
+@pytest.mark.xdist_group('parity-rnn')
+def test_an_rnn_in_each_layer_of_a_scanned_stack_draws_linens_keys(monkeypatch):
+  """A stream stacked over layers and carried over steps: each layer's cell keeps its slice of a
+  stream `nnx.vmap` stacked, and its `nnx.RNN` carries it. The kit splits the key over the layers
+  (Linen's nn.scan), then each layer's over its steps (Linen's nn.RNN): the gradients are bit for
+  bit. Left as nnx.RNN draws it, the grads part fails; the localizer does not see into a loop
+  inside a scanned stack, and says that the difference arose in the stack, unrecorded."""
+  from flax.training import train_state
+
+  from parity.battery import checks
+  from parity.pairs import dropout
+
+  cfg = dataclasses.replace(CFG, emb_dim=CFG.hidden)
+
+  def linen_create(seed):
+    model = _LinenStack(cfg)
+    params = model.init(jax.random.PRNGKey(seed), jax.numpy.zeros((1, cfg.seq_len - 1), jax.numpy.int32))['params']
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=linen_rnn.make_optimizer(cfg))
+
+  def nnx_create(seed):
+    model = _NnxStack(cfg, rngs=nnx.Rngs(params=seed, dropout=seed))
+    return model, nnx.Optimizer(model, nnx_rnn.make_optimizer(cfg), wrt=nnx.Param)
+
+  def sides(mesh):
+    linen, nnx_side = make_sides(mesh)
+    return dataclasses.replace(linen, create=linen_create), dataclasses.replace(nnx_side, create=nnx_create)
+
+  pair = parity.Pair('rnn_stacked', sides, functools.partial(rnn_batch, cfg), parts=('grads',))
+  checks.check_grads(pair)
+  monkeypatch.setattr(dropout, '_rnn_with_steps_keys', lambda original: original)
+  with pytest.raises(AssertionError) as failure:
+    checks.check_grads(dataclasses.replace(pair, name='rnn_stacked_as_drawn'))
+  assert 'it arose in a call not recorded there, layers (inside a transformed body)' in str(failure.value), (
+      failure.value)
