@@ -450,8 +450,9 @@ def test_an_rnn_in_each_layer_of_a_scanned_stack_draws_linens_keys(monkeypatch):
   """A stream stacked over layers and carried over steps: each layer's cell keeps its slice of a
   stream `nnx.vmap` stacked, and its `nnx.RNN` carries it. The kit splits the key over the layers
   (Linen's nn.scan), then each layer's over its steps (Linen's nn.RNN): the gradients are bit for
-  bit. Left as nnx.RNN draws it, the grads part fails; the localizer does not see into a loop
-  inside a scanned stack, and says that the difference arose in the stack, unrecorded."""
+  bit. Left as nnx.RNN draws it, the grads part fails, and the localizer names the cell's dropout
+  by its layer and its step (Linen's scan body calls each layer, NNX's the layer's RNN: the NNX
+  stack is the modules whose parameters its scan slices, `layers`, as Linen's)."""
   from flax.training import train_state
 
   from parity.battery import checks
@@ -477,5 +478,5 @@ def test_an_rnn_in_each_layer_of_a_scanned_stack_draws_linens_keys(monkeypatch):
   monkeypatch.setattr(dropout, '_rnn_with_steps_keys', lambda original: original)
   with pytest.raises(AssertionError) as failure:
     checks.check_grads(dataclasses.replace(pair, name='rnn_stacked_as_drawn'))
-  assert 'it arose in a call not recorded there, layers (inside a transformed body)' in str(failure.value), (
-      failure.value)
+  assert ('forward pass: first differs at module layers/0/RecurrentDropoutLSTMCell_0/1/Dropout_0'
+          in str(failure.value)), failure.value

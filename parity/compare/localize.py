@@ -98,7 +98,10 @@ class _Frame:
     self.trace = trace
     self.probes = probes  # key -> the zero probe added to the call's output (None: the shapes pass)
     self.scan = scan
-    self.root: str | None = None  # a scan's: the path of the first module called in its body
+    # A scan's: the stack's path, the first module called in its body, or what that shares with
+    # the parameters the scan slices where the body calls a layer's submodule first (`stack`).
+    self.root: str | None = None
+    self.stack: str | None = None  # a scan's: the modules of the parameters it slices, their common path
     self.outputs: dict[str, Any] = {}
     self.inputs: dict[str, Any] = {}  # each call's arrays, by argument name (bridged.Arguments.named)
     self.order: list[str] = []  # the calls as they return
@@ -169,7 +172,7 @@ class Recorder:
     if here:
       scan = next((f for f in reversed(self.frames) if f.scan), None)
       if scan is not None and scan.root is None:
-        scan.root = path
+        scan.root = (_common_path(path, scan.stack) or path) if scan.stack is not None else path
     key = self._key(name) if here else None
     # A lifted transform calling its module (Linen's nn.remat, inside its body): one call.
     repeat = key is not None and bool(self._active) and self._active[-1] == key
@@ -241,8 +244,10 @@ class Recorder:
     self.bodies.count += 1
     return parent, number, self.bodies.keys.get(number, [])
 
-  def _run_body(self, number: int, probes: Any, scan: bool, fn: Callable[[], Any]) -> tuple[_Frame, Any]:
+  def _run_body(self, number: int, probes: Any, scan: bool, fn: Callable[[], Any],
+                stack: str | None = None) -> tuple[_Frame, Any]:
     frame = _Frame(tracers.current_trace(), probes, scan)
+    frame.stack = stack
     self.frames.append(frame)
     try:
       out = fn()
@@ -265,12 +270,16 @@ class Recorder:
       probes = {k: jax.tree.map(stack, *[parent.probes[_expand(k, i)] for i in range(layers)])
                 for k in keys if all(_expand(k, i) in parent.probes for i in range(layers))}
     frames, calls, count = [], dict(self._calls), self.bodies.count
+    # The modules whose parameters the scan slices by layer (none: a loop), as one path.
+    sliced = [self.params[id(x)][len('params/'):].rsplit('/', 1)[0]
+              for x in jax.tree.leaves(xs) if id(x) in self.params]
+    stack = functools.reduce(_common_path, sliced) if sliced else None
 
     def scanned(carry, packed):
       x, probes = packed
       # A body traced again (a carry's weak type changed) names and numbers its calls alike.
       self._calls, self.bodies.count = dict(calls), count
-      frame, (carry, y) = self._run_body(number, probes, True, lambda: f(carry, x))
+      frame, (carry, y) = self._run_body(number, probes, True, lambda: f(carry, x), stack)
       frames[:] = [frame]
       return carry, (y, frame.outputs, frame.inputs)
 
@@ -350,6 +359,16 @@ class Recorder:
     """The calls seen only where they cannot be recorded (a body traced outside its transform,
     as Linen's nn.scan traces its body once more to check it)."""
     return tuple(p for p in self.unrecorded if p not in self.recorded_paths)
+
+
+def _common_path(a: str, b: str) -> str:
+  """The longest module path both `a` and `b` are under ('' for none)."""
+  common = []
+  for x, y in zip(a.split('/'), b.split('/')):
+    if x != y:
+      break
+    common.append(x)
+  return '/'.join(common)
 
 
 def _marked(key: str, path: str, root: str) -> str:
@@ -612,6 +631,10 @@ class Localization:
   only_linen: list[str]
   only_nnx: list[str]
   details: dict[str, str]  # path -> bitwise detail of the first differing values
+  # True where each call of `only_linen` and `only_nnx` is of a module the other side records calls
+  # under but does not call itself (an NNX stack's layer whose scan body calls its submodule): its
+  # submodules' calls are compared, and no body went unopened.
+  only_containers: bool = False
   backward_ulp: dict[str, int | None] = dataclasses.field(default_factory=dict)  # module -> max ULP (None: see _max_ulp)
   compared_calls: int = 0  # module calls found on both sides (their outputs compared)
   compared_grads: int = 0  # parameter gradients found on both sides
@@ -810,7 +833,7 @@ def localize_step(
       opened = probed()
   except Exception:  # a body the recorder cannot open: probed as it is, its calls not recorded
     return probed()
-  if not (opened.only_linen or opened.only_nnx):
+  if not (opened.only_linen or opened.only_nnx) or opened.only_containers:
     return opened
   # Calls on one side only: a body one side opens where the other's cannot be (a transform
   # made before the probe, say); unopened, both list their calls as not recorded.
@@ -913,8 +936,10 @@ def localize(linen: adapter.Probe, nnx_probe: adapter.Probe) -> Localization:
       forward_ulp=forward_ulp,
       backward=backward,
       # A call whose counterpart runs inside a transformed body is not missing there.
-      only_linen=_one_sided(linen.order, nnx_probe),
-      only_nnx=_one_sided(nnx_probe.order, linen),
+      only_linen=(only_linen := _one_sided(linen.order, nnx_probe)),
+      only_nnx=(only_nnx := _one_sided(nnx_probe.order, linen)),
+      only_containers=(all(_contains(k, nnx_probe.order) for k in only_linen)
+                       and all(_contains(k, linen.order) for k in only_nnx)),
       details=details,
       backward_ulp=backward_ulp,
       compared_calls=len(common),
@@ -948,6 +973,12 @@ def _one_sided(order: list[str], other: adapter.Probe) -> list[str]:
   caller's code (compared where both make it)."""
   made, unrecorded = set(other.order), set(other.unrecorded)
   return [k for k in order if k not in made and _module_of(k) not in unrecorded and _method_of(k) is None]
+
+
+def _contains(call: str, order: list[str]) -> bool:
+  """Whether `order` (the other side's calls) holds calls of modules under `call`'s module."""
+  module = _module_of(call)
+  return module != ROOT and any(_module_of(k).startswith(module + '/') for k in order)
 
 
 def _stacked(linen: adapter.Probe, nnx_probe: adapter.Probe) -> dict[str, tuple[str, ...]]:
