@@ -34,7 +34,8 @@ production-shaped pair and
 the half-migrated steps; the localizer's own tests on small
 planted breaks; the bridge, comparison, report, converter, launcher and
 plugin tests that compile little (a pair declared in a fresh directory
-among them). On a 2-core machine it takes about 19 minutes cold and 5 warm,
+among them). On a 2-core machine it takes about 6 minutes cold and 1.5 warm
+(an AMD EPYC; 19 and 5 on a slower Intel Xeon),
 most of it XLA compiling (docs/development.md, "Times").
 
 The exhaustive tier adds everything else the suite has: every other decoder
