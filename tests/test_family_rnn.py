@@ -327,6 +327,29 @@ def test_the_kit_draws_a_recurrent_loop_as_its_count_is_carried_or_broadcast(bro
     assert dropout.rnn_loops(model, module) == [('rnn', broadcast, scheme)], module
 
 
+def _model_pair(name, linen_model, nnx_model):
+  """A grads-only pair of the family's sides over other model classes (emb_dim == hidden, so that a
+  recurrent layer's output can enter another), each made and trained as the family's own."""
+  from flax.training import train_state
+
+  cfg = dataclasses.replace(CFG, emb_dim=CFG.hidden)
+
+  def linen_create(seed):
+    model = linen_model(cfg)
+    params = model.init(jax.random.PRNGKey(seed), jax.numpy.zeros((1, cfg.seq_len - 1), jax.numpy.int32))['params']
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=linen_rnn.make_optimizer(cfg))
+
+  def nnx_create(seed):
+    model = nnx_model(cfg, rngs=nnx.Rngs(params=seed, dropout=seed))
+    return model, nnx.Optimizer(model, nnx_rnn.make_optimizer(cfg), wrt=nnx.Param)
+
+  def sides(mesh):
+    linen, nnx_side = make_sides(mesh)
+    return dataclasses.replace(linen, create=linen_create), dataclasses.replace(nnx_side, create=nnx_create)
+
+  return parity.Pair(name, sides, functools.partial(rnn_batch, cfg), parts=('grads',))
+
+
 class _LinenRnnTwice(linen_rnn.RecurrentLM):
   """The family's Linen model with its one `nn.RNN` applied twice in a pass (emb_dim == hidden)."""
 
@@ -358,29 +381,12 @@ def test_one_rnn_called_twice_in_a_step_draws_each_calls_keys_as_linen():
   own, whose draw is not the loop's: the counts kept are the loop's, 2 and 4). The kit gives NNX's
   second call the second of them, though each call of nnx.RNN runs on a copy of the cell's stream;
   the gradients are bit for bit."""
-  from flax.training import train_state
-
   from parity.battery import checks
   from parity.pairs import dropout
 
-  cfg = dataclasses.replace(CFG, emb_dim=CFG.hidden)
-
-  def linen_create(seed):
-    model = _LinenRnnTwice(cfg)
-    params = model.init(jax.random.PRNGKey(seed), jax.numpy.zeros((1, cfg.seq_len - 1), jax.numpy.int32))['params']
-    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=linen_rnn.make_optimizer(cfg))
-
-  def nnx_create(seed):
-    model = _NnxRnnTwice(cfg, rngs=nnx.Rngs(params=seed, dropout=seed))
-    return model, nnx.Optimizer(model, nnx_rnn.make_optimizer(cfg), wrt=nnx.Param)
-
-  def sides(mesh):
-    linen, nnx_side = make_sides(mesh)
-    return dataclasses.replace(linen, create=linen_create), dataclasses.replace(nnx_side, create=nnx_create)
-
-  pair = parity.Pair('rnn_called_twice', sides, functools.partial(rnn_batch, cfg), parts=('grads',))
-  linen, _ = sides(None)
-  state, batch, key = linen.init(0), rnn_batch(cfg, 0), jax.random.PRNGKey(0)
+  pair = _model_pair('rnn_called_twice', _LinenRnnTwice, _NnxRnnTwice)
+  linen, _ = pair.make_sides(None)
+  state, batch, key = linen.init(0), pair.batch(0), jax.random.PRNGKey(0)
   draws = dropout.linen_draws(lambda state: linen.loss(state.params, state, batch, key), state)
   assert draws['RecurrentDropoutLSTMCell_0/Dropout_0'] == (2, 4), draws
   checks.check_grads(pair)
@@ -453,27 +459,10 @@ def test_an_rnn_in_each_layer_of_a_scanned_stack_draws_linens_keys(monkeypatch):
   bit. Left as nnx.RNN draws it, the grads part fails, and the localizer names the cell's dropout
   by its layer and its step (Linen's scan body calls each layer, NNX's the layer's RNN: the NNX
   stack is the modules whose parameters its scan slices, `layers`, as Linen's)."""
-  from flax.training import train_state
-
   from parity.battery import checks
   from parity.pairs import dropout
 
-  cfg = dataclasses.replace(CFG, emb_dim=CFG.hidden)
-
-  def linen_create(seed):
-    model = _LinenStack(cfg)
-    params = model.init(jax.random.PRNGKey(seed), jax.numpy.zeros((1, cfg.seq_len - 1), jax.numpy.int32))['params']
-    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=linen_rnn.make_optimizer(cfg))
-
-  def nnx_create(seed):
-    model = _NnxStack(cfg, rngs=nnx.Rngs(params=seed, dropout=seed))
-    return model, nnx.Optimizer(model, nnx_rnn.make_optimizer(cfg), wrt=nnx.Param)
-
-  def sides(mesh):
-    linen, nnx_side = make_sides(mesh)
-    return dataclasses.replace(linen, create=linen_create), dataclasses.replace(nnx_side, create=nnx_create)
-
-  pair = parity.Pair('rnn_stacked', sides, functools.partial(rnn_batch, cfg), parts=('grads',))
+  pair = _model_pair('rnn_stacked', _LinenStack, _NnxStack)
   checks.check_grads(pair)
   monkeypatch.setattr(dropout, '_rnn_with_steps_keys', lambda original: original)
   with pytest.raises(AssertionError) as failure:
