@@ -94,14 +94,14 @@ def _arrays(y: Any) -> Any:
 class _Frame:
   """The calls recorded in one trace: the probe's own, or a transformed body's (`Recorder.opened`)."""
 
-  def __init__(self, trace: Any, probes: dict[str, Any] | None, scan: bool = False):
+  def __init__(self, trace: Any, probes: dict[str, Any] | None, scan: bool = False, stack: str | None = None):
     self.trace = trace
     self.probes = probes  # key -> the zero probe added to the call's output (None: the shapes pass)
     self.scan = scan
     # A scan's: the stack's path, the first module called in its body, or what that shares with
     # the parameters the scan slices where the body calls a layer's submodule first (`stack`).
     self.root: str | None = None
-    self.stack: str | None = None  # a scan's: the modules of the parameters it slices, their common path
+    self.stack = stack  # a scan's: the modules of the parameters it slices, their common path
     self.outputs: dict[str, Any] = {}
     self.inputs: dict[str, Any] = {}  # each call's arrays, by argument name (bridged.Arguments.named)
     self.order: list[str] = []  # the calls as they return
@@ -246,8 +246,7 @@ class Recorder:
 
   def _run_body(self, number: int, probes: Any, scan: bool, fn: Callable[[], Any],
                 stack: str | None = None) -> tuple[_Frame, Any]:
-    frame = _Frame(tracers.current_trace(), probes, scan)
-    frame.stack = stack
+    frame = _Frame(tracers.current_trace(), probes, scan, stack)
     self.frames.append(frame)
     try:
       out = fn()
@@ -375,9 +374,7 @@ def _marked(key: str, path: str, root: str) -> str:
   """`key` (of the call at `path`) with a layer mark after the stack's path: `root`, or what
   `path` shares with it where the call is not under it."""
   if not (path == root or path.startswith(root + '/') or not root):
-    parts, common = path.split('/'), root.split('/')
-    n = next((i for i, (a, b) in enumerate(zip(parts, common)) if a != b), min(len(parts), len(common)))
-    root = '/'.join(parts[:n])
+    root = _common_path(path, root)
   if not root:
     return f'{_LAYER_MARK}/{key}' if key else _LAYER_MARK
   # The stack's path is a prefix of `path`; in `key` earlier marks may precede it.

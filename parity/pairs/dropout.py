@@ -92,12 +92,12 @@ def linen_draws(traced_loss: Callable[..., Any], *args: Any) -> dict[str, tuple[
       drawn['/'.join(self.path)].append(self.rng_counters[name])
     return key
 
-  core_scope.Scope.make_rng = make_rng
-  try:
-    with compat.flax_scan_checks() as checking:
+  with compat.flax_scan_checks() as checking:
+    core_scope.Scope.make_rng = make_rng
+    try:
       jax.eval_shape(traced_loss, *args)
-  finally:
-    core_scope.Scope.make_rng = original
+    finally:
+      core_scope.Scope.make_rng = original
   return {path: tuple(counts) for path, counts in drawn.items()}
 
 
@@ -250,16 +250,15 @@ def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
     axes, broadcast_rngs = self.state_axes, self.broadcast_rngs
     self.state_axes = nnx.StateAxes(((keys_of, None),) * per_sequence + ((per_step, 0),) + tuple(axes.items()))
     self.broadcast_rngs = None  # the keys below are Linen's, nnx.RNN's split left out
+    _LOOP_STREAMS.append(streams[0])
     try:
       for stream, key, count in before:
         if not per_sequence:
           compat.set_variable_value(stream.key, jax.random.split(key, steps))
         compat.set_variable_value(stream.count, jnp.broadcast_to(count, (steps,)))
-      _LOOP_STREAMS.append(streams[0])
       return original(self, inputs, **kwargs)
     finally:
-      if _LOOP_STREAMS and _LOOP_STREAMS[-1] is streams[0]:
-        _LOOP_STREAMS.pop()
+      _LOOP_STREAMS.pop()
       self.state_axes, self.broadcast_rngs = axes, broadcast_rngs
       for stream, key, count in before:
         if per_sequence:  # a broadcast count does not advance; nnx.RNN's split of the key draws once
