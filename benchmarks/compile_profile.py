@@ -46,6 +46,7 @@ EVENTS = {
 }
 RETRIEVAL = '/jax/compilation_cache/cache_retrieval_time_sec'
 OWN_PROGRAMS = '/own-programs'  # parity.battery.parts.OWN_PROGRAM_GROUP (not imported: no jax before pytest)
+MESH = '/mesh'  # parity.battery.parts.MESH_GROUP
 KINDS = ('trace', 'lower', 'compile', 'load')
 
 # ---------------------------------------------------------------------------
@@ -141,11 +142,10 @@ def summarise(records: list[tuple[str, str, str, float]], top: int = 15) -> str:
 
 
 def group_of(test: str) -> str:
-  """The xdist group a test id names (`...@group`), its pair's when the group is the pair's
-  own-programs half (parity/battery/parts.py); the test's file where it names none."""
+  """The xdist group a test id names (`...@group`), its pair's when the group is one of the pair's
+  own-programs or mesh groups (parity/battery/parts.py); the test's file where it names none."""
   if '@' in test:
-    group = test.rsplit('@', 1)[1]
-    return group[:-len(OWN_PROGRAMS)] if group.endswith(OWN_PROGRAMS) else group
+    return test.rsplit('@', 1)[1].removesuffix(OWN_PROGRAMS).removesuffix(MESH)
   return test.split('::', 1)[0]
 
 

@@ -56,16 +56,17 @@ def test_the_events_it_listens_to_are_the_ones_jax_sends(profile):
 
 
 def test_the_floor_keeps_each_groups_two_costliest_compiles(profile):
-  """A pair's two groups count as one (its own-programs half folds into it); a test without a
+  """A pair's three groups count as one (its own-programs and mesh groups fold into it); a test without a
   group counts by its file; loads cost nothing here."""
   from parity.battery import parts
 
-  assert profile.OWN_PROGRAMS == parts.OWN_PROGRAM_GROUP
+  assert profile.OWN_PROGRAMS == parts.OWN_PROGRAM_GROUP and profile.MESH == parts.MESH_GROUP
   records = [
       ('tests/a.py::lm::test_train[linen]@parity-lm', 'compile', 'train_step', 15.0),
       ('tests/a.py::lm::test_train[linen]@parity-lm', 'compile', '_train_fn', 16.0),
       ('tests/a.py::lm::test_grads@parity-lm/own-programs', 'compile', 'fn', 12.0),
       ('tests/a.py::lm::test_eval@parity-lm', 'compile', 'forward', 3.0),
+      ('tests/a.py::lm::test_mesh[data=8]@parity-lm/mesh', 'compile', 'train_step', 1.0),
       ('tests/a.py::lm::test_eval@parity-lm', 'load', 'forward', 0.5),
       ('tests/b.py::test_x', 'compile', 'f', 2.0),
       ('tests/b.py::test_y', 'compile', 'g', 1.0),
@@ -73,5 +74,5 @@ def test_the_floor_keeps_each_groups_two_costliest_compiles(profile):
   ]
   floor, groups = profile.compile_floor(records)
   assert floor == 31.0 + 6.0
-  assert groups == [('parity-lm', (31.0, 46.0)), ('tests/b.py', (6.0, 7.0))]
-  assert '      37.0  of 53.0 s compiling, in 2 groups' in profile.summarise(records)
+  assert groups == [('parity-lm', (31.0, 47.0)), ('tests/b.py', (6.0, 7.0))]
+  assert '      37.0  of 54.0 s compiling, in 2 groups' in profile.summarise(records)

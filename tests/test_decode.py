@@ -2,15 +2,16 @@
 
 From one Linen init (`LinenSide.init(0)`) carried to NNX through the bridge,
 both sides prefill a 16-token prompt and decode 32 tokens on the tiny preset
-(scanned layers, grouped-query attention), greedy and at temperature 0.8, on
+with dropout configured (rate 0.1; decoding turns it off) (scanned layers,
+grouped-query attention), greedy and at temperature 0.8, on
 one device and on the mesh fsdp=4,tensor=2: the tokens, every step's logits
 and the final caches are bitwise equal, and the caches carry the same logical
 axes and, on the mesh, the same shardings, the ones those axes give. The
 unscanned model (the scanned one's parameters, unstacked) decodes alike
 (greedy, one device).
 
-Decoding is also checked against the training forward on each side: the
-prefill's logits are the forward's, bit for bit, and the decoded logits
+Decoding is also checked against the training forward with dropout off on
+each side (eval mode): the prefill's logits are the forward's, bit for bit, and the decoded logits
 follow a forward over the whole decoded sequence (to a bfloat16 tolerance:
 another program).
 
@@ -47,9 +48,22 @@ TEMPERATURES = (0.0, 0.8)
 CACHE = 'cache/decoder/layers/self_attention/'
 
 
+# Dropout configured, as a model decodes in production: decoding must switch it off (eval mode),
+# which a rate of 0 would hide (a decoder left in train mode drops the same masks on both sides).
+DROPOUT = 0.1
+
+
 def _configs(scanned: bool = True):
   model_cfg, train_cfg = get_preset('tiny')
+  model_cfg = replace(model_cfg, dropout_rate=DROPOUT)
   return (model_cfg if scanned else replace(model_cfg, scan_layers=False)), train_cfg
+
+
+@functools.cache
+def _eval_sides():
+  """Sides of the tiny preset itself (dropout rate 0): their forward is what eval mode computes
+  for the decoding model's parameters, whatever its configured rate."""
+  return make_sides(*get_preset('tiny'))
 
 
 @functools.cache
@@ -187,11 +201,12 @@ def _prompt_batch():
 
 
 def test_prefill_logits_are_the_training_forwards():
-  """Each side's prefill (decode mode, a cache of 48 slots) against its own training
-  forward with dropout off (the tiny preset's rate is 0), bit for bit."""
+  """Each side's prefill (decode mode, a cache of 48 slots, dropout configured) against its own
+  training forward with dropout off (the tiny preset's rate is 0), bit for bit: decoding runs in
+  eval mode. A decoder left in train mode drops here, on either side."""
   model_cfg = _configs()[0]
-  assert model_cfg.dropout_rate == 0.0
-  linen, nnx_side = _sides(None)
+  assert model_cfg.dropout_rate > 0 and get_preset('tiny')[0].dropout_rate == 0.0
+  linen, nnx_side = _eval_sides()
   variables, model, prompt = _models(None)
   linen_state, nnx_state = _states(None)
   key = jnp.zeros((2,), jnp.uint32)
@@ -205,8 +220,8 @@ def test_prefill_logits_are_the_training_forwards():
 def test_decoded_logits_follow_the_forward_of_the_decoded_sequence():
   """Step i's logits are the forward's at position PROMPT_LEN - 1 + i of prompt + tokens:
   the cache, its index and the positions do what a full causal forward does (Linen; the
-  NNX side equals it bit for bit above)."""
-  linen, _ = _sides(None)
+  NNX side equals it bit for bit above), with dropout off."""
+  linen, _ = _eval_sides()
   variables, _, prompt = _models(None)
   tokens, logits, _ = _decoded(None, 0.8)[0]
   sequence = jnp.concatenate([prompt, tokens], axis=1)

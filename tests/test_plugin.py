@@ -78,9 +78,10 @@ def test_a_declared_pair_becomes_the_battery(user_project):
   ]
 
 
-def test_a_pairs_parts_form_two_groups_that_compile_apart(user_project):
-  """Under xdist one pair uses two workers: the parts that train share one group (one compiled
-  train step per side), the parts with programs of their own another."""
+def test_a_pairs_parts_form_three_groups_that_compile_apart(user_project):
+  """Under xdist one pair uses three workers: the parts that train on one device share one group
+  (one compiled train step per side), the mesh parts another, the parts with programs of their own
+  a third."""
   user_project.makeconftest('''
 import pytest
 
@@ -92,8 +93,10 @@ def pytest_collection_modifyitems(items):
   result = user_project.runpytest_subprocess('--collect-only', '-q', '-s', '-p', 'no:cacheprovider', '-k', 'broken')
   groups = dict(line.split()[1:] for line in result.outlines if line.startswith('GROUP '))
   own = {test for test, group in groups.items() if group == 'parity-broken/own-programs'}
+  mesh = {test for test, group in groups.items() if group == 'parity-broken/mesh'}
   assert own == {'broken::test_specs', 'broken::test_grads', 'broken::test_localize'}, groups
-  assert {groups[test] for test in set(groups) - own} == {'parity-broken'}, groups
+  assert mesh and all(test.startswith('broken::test_mesh[') for test in mesh), groups
+  assert {groups[test] for test in set(groups) - own - mesh} == {'parity-broken'}, groups
 
 
 @pytest.mark.exhaustive
@@ -215,8 +218,9 @@ def test_under_n_a_pairs_group_stays_on_one_worker_unless_a_distribution_is_give
   args = ['-n', '2', '-p', 'no:cacheprovider', '-rA'] + ([] if dist is None else ['--dist', dist])
   result = pytester.runpytest_subprocess(*args)
   result.assert_outcomes(passed=1)
-  applied = ("parity: --dist loadgroup (a pair's parts that train on one worker, those with programs of their own"
-             ' on another; a worker fails them if the grouping did not take effect; give --dist to choose another)')
+  applied = ("parity: --dist loadgroup (a pair's parts that train on one device on one worker, its mesh parts on"
+             ' another, those with programs of their own on a third; a worker fails them if the grouping did not'
+             ' take effect; give --dist to choose another)')
   if dist is None:
     result.stdout.fnmatch_lines([applied, '*PASSED test_grouped.py::test_one@pair*'])
   else:

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity.battery.parts import OWN_PROGRAM_GROUP
+from parity.battery.parts import MESH_GROUP, OWN_PROGRAM_GROUP
 
 # The decoder's scenarios in the core tier: the two composites (models/config.py) in place of
 # the baseline.
@@ -164,12 +164,12 @@ def string_param(item, name: str) -> str | None:
 
 
 def _group(item) -> str | None:
-  """The test's xdist group (a pair's, whichever of its two: parity/battery/parts.py)."""
+  """The test's xdist group (a pair's, whichever of its three: parity/battery/parts.py)."""
   marker = item.get_closest_marker('xdist_group')
   if marker is None:
     return None
   group = marker.args[0] if marker.args else marker.kwargs.get('name')
-  return group.removesuffix(OWN_PROGRAM_GROUP) if isinstance(group, str) else group
+  return group.removesuffix(OWN_PROGRAM_GROUP).removesuffix(MESH_GROUP) if isinstance(group, str) else group
 
 
 def is_exhaustive(item, scenarios) -> bool:

@@ -181,6 +181,31 @@ class _Runs:
         rng.step_key(self.dropout_base(), step, 0),
     )
 
+  def loss_and_grads(self) -> dict[str, dict[str, Any]]:
+    """Each side's loss and parameter gradients at the common start (step 0's batch and key), by
+    side name: `{'loss': ..., 'params/...': gradient}`.
+
+    Where both sides are the kit's stock sides (their `value_and_grads` the kit's, differentiating
+    the same `loss` their probes trace), these are the probes' own (`localization()`): each side's
+    loss and gradients, traced once with its module calls recorded, so the grads part and the
+    localizer read one program per side. Otherwise each side's `value_and_grads`, the code a side
+    of its own ships.
+    """
+    sides = self.sides()
+    if all(hasattr(side, 'probe') and _stock_value_and_grads(side) for side in sides):
+      try:
+        probes = self.localization().probes
+      except Exception:  # pylint: disable=broad-except  (the localizer part reports it; grads as before)
+        probes = None
+      if probes is not None and all(getattr(p, 'loss', None) is not None for p in probes):
+        return {side.name: {'loss': p.loss, **p.param_grads} for side, p in zip(sides, probes)}
+    start, key = self.start('linen'), rng.step_key(self.dropout_base(), 0, 0)
+    out = {}
+    for side in sides:
+      value, grads = side.value_and_grads(side.from_checkpoint(start), self.batch(0), key)
+      out[side.name] = {'loss': value, **grads}
+    return out
+
   def localization_lines(self, step: int = 0, init_side: str = 'linen',
                          metric_diffs: Sequence[bitwise.LeafDiff] = (), part: str = 'train') -> list[str]:
     """The localizer's report on train step `step`; `metric_diffs`, that step's train
@@ -403,6 +428,14 @@ class _Runs:
     side = self.side(side_name)
     state = side.from_checkpoint(self.start('linen'))
     return runner.compile_step(side, state, self.batch(0), self.dropout_base())
+
+
+def _stock_value_and_grads(side: adapter.Side) -> bool:
+  """Whether `side.value_and_grads` is the stock sides' (parity/pairs/stock.py), directly or
+  through a wrapper that delegates to one."""
+  from parity.pairs import stock
+
+  return getattr(getattr(side, 'value_and_grads', None), '__func__', None) is stock._Stock.value_and_grads
 
 
 @functools.cache
@@ -716,11 +749,7 @@ def check_grads(pair: adapter.Pair) -> list[str]:
   __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   start = runs.start('linen')
-  key = rng.step_key(runs.dropout_base(), 0, 0)
-  out = {}
-  for side in runs.sides():
-    value, grads = side.value_and_grads(side.from_checkpoint(start), runs.batch(0), key)
-    out[side.name] = {'loss': value, **grads}
+  out = runs.loss_and_grads()
   # Gradients that leave parameters out compare the loss alone there, and pass.
   params = sorted(p for p in start if p.startswith('params/'))
   for name in ('linen', 'nnx'):
@@ -837,12 +866,23 @@ def check_eval(pair: adapter.Pair) -> list[str]:
   _, trained, linen_state = runs.trajectory('linen', 'linen')
   linen_side, nnx_side = runs.sides()
 
+  def checked(side, metrics):
+    return adapter.checked_metrics(pair.name, side, 'eval_step', metrics, need_loss=False)
+
+  def evaluated(side, state):
+    """(metrics, outputs): from one program where the side gives both at once (`eval_and_outputs`)."""
+    both = getattr(side, 'eval_and_outputs', lambda *a: None)(state, batch)
+    if both is not None:
+      return checked(side, both[0]), both[1]
+    return checked(side, side.eval_step(state, batch)), getattr(side, 'eval_outputs', lambda *a: None)(state, batch)
+
   def evaluate(side, state):
-    return adapter.checked_metrics(pair.name, side, 'eval_step', side.eval_step(state, batch), need_loss=False)
+    return evaluated(side, state)[0]
 
   nnx_from_linen = nnx_side.from_checkpoint(trained)
-  outputs = [getattr(side, 'eval_outputs', lambda *a: None)(state, batch)
-             for side, state in ((linen_side, linen_state), (nnx_side, nnx_from_linen))]
+  (linen_metrics, linen_outputs), (nnx_metrics, nnx_outputs) = (
+      evaluated(side, state) for side, state in ((linen_side, linen_state), (nnx_side, nnx_from_linen)))
+  outputs = [linen_outputs, nnx_outputs]
   if (outputs[0] is None) != (outputs[1] is None):
     raise AssertionError(f'{pair.name}: one side gives its eval-mode outputs (`forward`), the other does'
                          ' not: give both, so that the outputs are compared, or neither')
@@ -862,8 +902,7 @@ def check_eval(pair: adapter.Pair) -> list[str]:
   if outputs[0] is not None:
     notes = compared({'outputs': outputs[0]}, {'outputs': outputs[1]},
                      f'eval-mode outputs from one state (the Linen run\'s after {pair.steps} steps)')
-  linen_metrics = evaluate(linen_side, linen_state)
-  seen = notes + compared(linen_metrics, evaluate(nnx_side, nnx_from_linen),
+  seen = notes + compared(linen_metrics, nnx_metrics,
                           f'eval metrics from one state (the Linen run\'s after {pair.steps} steps)')
   if failures:
     located = _eval_localized(runs, (linen_side, nnx_side), (linen_state, nnx_from_linen), batch)

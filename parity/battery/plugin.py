@@ -11,12 +11,13 @@ battery (parity/battery/checks.py): structure, logical specs, each side's own
 initialisers (in distribution), loss and gradients,
 training from each side's init, eval, checkpoints in four directions,
 resume across sides, sharded training per mesh, memory and program parity,
-and the divergence localizer. A pair's tests form two xdist groups (parts that
-train, parts with programs of their own: parity/battery/parts.py), so under
-`pytest -n auto --dist loadgroup` one pair uses two workers and no function is
-compiled by both.
+and the divergence localizer. A pair's tests form three xdist groups (parts
+that train on one device, parts on a mesh, parts with programs of their own:
+parity/battery/parts.py), so under `pytest -n auto --dist loadgroup` one pair
+uses up to three workers and no program is compiled by two.
 
-Options: `--parity-parts=grads,train` runs only those parts;
+Options: `--parity-parts=grads,train` runs only those parts; `--parity-programs` prints every
+XLA program each test asked for, repeats marked (parity/battery/program_count.py);
 `--parity-mesh=data=2,tensor=4` replaces every pair's meshes.
 
 When it collects the session's first pair, before jax starts, the plugin
@@ -38,7 +39,7 @@ import sys
 import pytest
 
 from parity.env import map_limit  # imports no jax
-from parity.battery.parts import DIRECTIONS, ONE_DEVICE, OWN_PROGRAM_GROUP, OWN_PROGRAM_PARTS, PARTS  # neither
+from parity.battery.parts import DIRECTIONS, ONE_DEVICE, PARTS, group_suffix  # neither
 
 # Nothing here imports jax when pytest loads the plugin: a project's conftest
 # sets XLA flags and jax's environment (compilation cache, platforms) first.
@@ -60,6 +61,11 @@ def pytest_addoption(parser):
   group.addoption(
       '--parity-parts', default=None,
       help='comma-separated parts of the battery to run (default: all): ' + ', '.join(PARTS),
+  )
+  group.addoption(
+      '--parity-programs', action='store_true', default=False,
+      help='record every XLA program each test asks for and print them, with repeats marked, at the end'
+           ' (parity/battery/program_count.py)',
   )
   group.addoption(
       '--parity-mesh', action='append', default=None,
@@ -104,9 +110,9 @@ def pytest_configure_node(node):
 
 def pytest_report_header(config):
   if config.stash.get(_LOADGROUP_APPLIED, False):
-    return ['parity: --dist loadgroup (a pair\'s parts that train on one worker, those with programs of their'
-            ' own on another; a worker fails them if the grouping did not take effect; give --dist to choose'
-            ' another)']
+    return ['parity: --dist loadgroup (a pair\'s parts that train on one device on one worker, its mesh parts'
+            ' on another, those with programs of their own on a third; a worker fails them if the grouping did'
+            ' not take effect; give --dist to choose another)']
   return None
 
 
@@ -114,6 +120,10 @@ def pytest_configure(config):
   # Known to pytest-xdist; registered here too so runs without it stay strict-marker clean.
   config.addinivalue_line('markers', 'xdist_group(name): tests that share one xdist worker')
   _apply_loadgroup(config)
+  if config.getoption('parity_programs', False):
+    from parity.battery import program_count  # imports no jax
+
+    config.stash[_PROGRAMS] = program_count.Recorder()
   parts = config.getoption('parity_parts')
   if parts is not None:
     if not _part_names(parts):
@@ -210,6 +220,57 @@ def pytest_runtest_setup(item):
   error = item.config.stash.get(_GROUPING_ERROR, None)
   if error:
     pytest.fail(error, pytrace=False)
+
+
+_PROGRAMS = pytest.StashKey['object']()
+_PROGRAM_RECORDS = 'parity_programs'  # the workers' records, sent to the controller (xdist workeroutput)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+  recorder = item.config.stash.get(_PROGRAMS, None)
+  if recorder is None:
+    return (yield)
+  recorder.start()
+  with recorder.recording(item.nodeid):
+    return (yield)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+  del error
+  recorder = node.config.stash.get(_PROGRAMS, None)
+  records = getattr(node, 'workeroutput', {}).get(_PROGRAM_RECORDS)
+  if recorder is not None and records:
+    from parity.battery import program_count
+
+    recorder.programs += [program_count.Program(**r) for r in records]
+
+
+def pytest_sessionfinish(session):
+  recorder = session.config.stash.get(_PROGRAMS, None)
+  if recorder is None:
+    return
+  recorder.stop()
+  worker_output = getattr(session.config, 'workeroutput', None)
+  if worker_output is not None:
+    worker_output[_PROGRAM_RECORDS] = [p.as_dict() for p in recorder.programs]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  recorder = config.stash.get(_PROGRAMS, None)
+  if recorder is None or getattr(config, 'workeroutput', None) is not None:
+    return
+  from parity.battery import program_count
+
+  terminalreporter.section('parity: XLA programs asked for, by test')
+  for line in program_count.table(sorted(recorder.programs, key=lambda p: p.asker) if _xdist(config)
+                                  else recorder.programs):
+    terminalreporter.write_line(line)
+
+
+def _xdist(config) -> bool:
+  return bool(getattr(config.option, 'numprocesses', None))
 
 
 @pytest.hookimpl(trylast=True)  # after the test's fixtures (and their patches) are torn down
@@ -340,7 +401,9 @@ class PairClass(pytest.Class):
     for item in super().collect():
       part = item.name.split('[')[0][len('test_'):]
       if part in wanted:
-        item.add_marker(pytest.mark.xdist_group(group + (OWN_PROGRAM_GROUP if part in OWN_PROGRAM_PARTS else '')))
+        params = getattr(getattr(item, 'callspec', None), 'params', {})
+        placement = params.get('decode_placement', params.get('parity_mesh'))
+        item.add_marker(pytest.mark.xdist_group(group + group_suffix(part, placement)))
         yield item
 
 

@@ -578,12 +578,13 @@ def _probe(traced: Callable, seen: list[Recorder], params: Any, args: tuple,
 
   def run(params, args):
     grad = jax.value_and_grad(traced, argnums=(0, 1), has_aux=True)
-    (_, (outputs, inputs)), (param_grads, cotangents) = grad(params, _zeros_like(shapes), *args)
-    return outputs, inputs, cotangents, param_grads
+    (loss, (outputs, inputs)), (param_grads, cotangents) = grad(params, _zeros_like(shapes), *args)
+    return loss, outputs, inputs, cotangents, param_grads
 
-  outputs, inputs, cotangents, param_grads = jax.jit(run)(params, args)
+  loss, outputs, inputs, cotangents, param_grads = jax.jit(run)(params, args)
   recorder = seen[0]
   return RecordedProbe(
+      loss=loss,
       order=list(recorder.order),
       inputs=dict(inputs),
       outputs=flat_outputs(outputs),
@@ -606,6 +607,9 @@ class RecordedProbe(adapter.Probe):
   slices none); `nnx_names`, an NNX
   probe's calls by their NNX names, keyed by Linen's, where the two differ (`nnx_probe`)."""
 
+  # The loss the gradients are of: the grads part reads it and `param_grads` (one program per
+  # side serves the grads part and the localizer).
+  loss: Any = None
   events: list[tuple[str, str]] = dataclasses.field(default_factory=list)
   callers: dict[str, str] = dataclasses.field(default_factory=dict)
   stacked: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
@@ -650,6 +654,8 @@ class Localization:
   # Linen call key -> the NNX name of the same call, where they differ (RecordedProbe.nnx_names):
   # the lines name a module by both sides' paths, `LayerNorm_1 (NNX: ln2)`.
   nnx_names: dict[str, str] = dataclasses.field(default_factory=dict)
+  # The two probes compared (Linen's, NNX's): `localize_step` keeps them for the grads part.
+  probes: tuple[Any, ...] | None = dataclasses.field(default=None, repr=False)
   # The opened scans that slice no parameters by their index (a recurrent cell's loop over time
   # steps, not a stack of layers): a module inside one is reported with its iteration.
   loops: tuple[str, ...] = ()
@@ -823,7 +829,8 @@ def localize_step(
   states = [side.from_checkpoint(linen_state) for side in (linen, nnx_side)]
 
   def probed():
-    return localize(*(side.probe(state, batch, key) for side, state in zip((linen, nnx_side), states)))
+    probes = tuple(side.probe(state, batch, key) for side, state in zip((linen, nnx_side), states))
+    return dataclasses.replace(localize(*probes), probes=probes)
 
   try:
     with layers_opened():  # each layer of a scanned stack recorded

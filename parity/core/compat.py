@@ -330,3 +330,40 @@ def orbax_empty_typestr(x: Any) -> str:
     return empty_values.override_empty_value_typestr(empty_values.get_empty_value_typestr(x, options), options)
   except (ImportError, AttributeError):
     return 'None'
+
+
+@contextlib.contextmanager
+def on_backend_compile(callback: Callable[[str, str, int, float], None]) -> Iterator[None]:
+  """Calls `callback(function, fingerprint, devices, seconds)` for each program jax hands XLA in the
+  block (compiled, or loaded from the persistent cache): `fingerprint` a digest of the program's
+  text, so two requests for the same program are told as such. jax's public monitoring events
+  name the function only; this wraps the private `jax._src.compiler.compile_or_get_cached`, which
+  every supported jax calls by module attribute (a jax without it: nothing is recorded)."""
+  import hashlib
+  import time
+
+  from jax._src import compiler
+
+  original = getattr(compiler, 'compile_or_get_cached', None)
+  if original is None:
+    yield
+    return
+
+  def recorded(backend, computation, devices, *args, **kwargs):
+    start = time.perf_counter()
+    out = original(backend, computation, devices, *args, **kwargs)
+    seconds = time.perf_counter() - start
+    try:
+      name = str(computation.operation.attributes['sym_name']).strip('"')
+      digest = hashlib.sha256(str(computation).encode()).hexdigest()[:12]
+      count = int(getattr(devices, 'size', 1))
+      callback(name, digest, count, seconds)
+    except Exception:  # pylint: disable=broad-except  (a diagnostic: never fails a compile)
+      pass
+    return out
+
+  compiler.compile_or_get_cached = recorded
+  try:
+    yield
+  finally:
+    compiler.compile_or_get_cached = original

@@ -44,5 +44,8 @@ def convert_step(value: Any, dtype: Any) -> Any:
         'train state step', [Problem('step', 'value', '0 <= step < 2**31', str(int(value)))]
     )
   if isinstance(value, jax.Array):
-    return value.astype(dtype)
+    if value.dtype == dtype:
+      return value
+    # Read above already: put back where it was, with no XLA program for the conversion.
+    return jax.device_put(np.asarray(int(value), dtype), value.sharding)
   return jnp.asarray(value, dtype)

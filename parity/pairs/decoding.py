@@ -56,6 +56,7 @@ from typing import Any, Callable, Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.core import meta
 
@@ -91,7 +92,9 @@ def draw_tokens(logits_BLV, feed: Callable[[jax.Array], jax.Array], steps: int, 
   if not steps:
     rows, vocab = logits_BLV.shape[0], logits_BLV.shape[-1]
     return jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0, vocab), jnp.float32)
-  return jnp.stack(tokens, axis=1), jnp.stack(drawn_from, axis=1)
+  # Stacked on the host: the values are read there, and an eager stack is one more program per shape.
+  return (jnp.asarray(np.stack([np.asarray(t) for t in tokens], axis=1)),
+          jnp.asarray(np.stack([np.asarray(x) for x in drawn_from], axis=1)))
 
 
 def decode_loop(call: Callable[[jax.Array, Any], tuple[jax.Array, Any]], prompt, steps: int, key,

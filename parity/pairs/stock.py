@@ -49,6 +49,23 @@ def _decoded(tokens, logits, cache, rename=lambda path: path) -> dict[str, Any]:
           'cache': {f'cache/{rename(p)}': x for p, x in paths.flatten(cache).items()}}
 
 
+def _one_program(make: Callable[[], Any], seed: int, shardings: Any, what: str) -> Any:
+  """`make()` (a side's `create(seed)`, as arrays) run as one jitted program, in `shardings`
+  where given: a model's initialisers are one compile, not one per eager operation (a small
+  model's eager init asks XLA for some 70 programs). A `create` that cannot be traced (it reads
+  a value on the host) runs eagerly, as written, with a warning saying so."""
+  try:
+    return jax.jit(make, out_shardings=shardings)()
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+          jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError) as e:
+    import warnings
+
+    warnings.warn(f'{what}({seed}) cannot be traced ({type(e).__name__}), so it runs eagerly: one XLA'
+                  ' program per operation. A create that jax.jit can trace is one program', stacklevel=3)
+    made = make()
+    return made if shardings is None else jax.device_put(made, shardings)
+
+
 def _replicated(mesh, tree):
   return jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree)
 
@@ -162,6 +179,14 @@ class _Stock:
     with self._context():
       return self._forward(state, batch)
 
+  def eval_and_outputs(self, state, batch) -> tuple[Any, Any] | None:
+    """(eval_step's metrics, forward's outputs) from one program, where `forward` is given (None
+    otherwise): the eval part reads both, so it compiles one eval program per side, not two."""
+    if self._eval_and_forward is None:
+      return None
+    with self._context():
+      return self._eval_and_forward(state, batch)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StockLinen(_Stock):
@@ -213,8 +238,12 @@ class StockLinen(_Stock):
     # A TrainState's treedef holds `apply_fn` and `tx`, which compare by
     # identity: every state of this side takes the template's.
     # (`TrainState.create` leaves the step a Python int: an array like every leaf.)
-    leaves = [jax.numpy.asarray(x) for x in jax.tree.leaves(meta.unbox(self.create(seed)))]
-    return self.place(jax.tree.unflatten(jax.tree.structure(self.template), leaves))
+    def leaves():
+      return [jax.numpy.asarray(x) for x in jax.tree.leaves(meta.unbox(self.create(seed)))]
+
+    shardings = None if self.mesh is None else jax.tree.leaves(self.state_shardings)
+    made = _one_program(leaves, seed, shardings, f'{self.name} create')
+    return self.place(jax.tree.unflatten(jax.tree.structure(self.template), made))
 
   @functools.cached_property
   def _train_step(self):
@@ -227,6 +256,13 @@ class StockLinen(_Stock):
   @functools.cached_property
   def _forward(self):
     return None if self.forward is None else self._jit(self.forward, state_out=False)
+
+  @functools.cached_property
+  def _eval_and_forward(self):
+    if self.forward is None:
+      return None
+    return self._jit(lambda state, batch: (self.eval_step_fn(state, batch), self.forward(state, batch)),
+                     state_out=False)
 
   def decode(self, state, prompt, steps, key, temperature) -> dict[str, Any] | None:
     """`decode_fn`'s tokens, logits and cache (under `cache/`); None: no `decode_fn` given."""
@@ -451,7 +487,14 @@ class StockNnx(_Stock):
     return self._abstract[1]
 
   def init(self, seed: int) -> Any:
-    return self.place(nnx.split(self._create(seed))[1])
+    return self.place(self._created(seed, placed=self.mesh is not None))
+
+  @functools.cache  # by the side's identity (eq=False): its arrays are never donated, so shared
+  def _created(self, seed: int, placed: bool) -> Any:
+    """`nnx.split(create(seed))[1]`, made as one program (`_one_program`), in the side's
+    shardings where `placed`."""
+    shardings = self.state_shardings if placed else None
+    return _one_program(lambda: nnx.split(self._create(seed))[1], seed, shardings, f'{self.name} create')
 
   def _create(self, seed: int):
     """`create(seed)`, annotated variables left unplaced (the kit places the state: `place`), each
@@ -565,6 +608,19 @@ class StockNnx(_Stock):
 
     return self._jit(fn, state_out=False)
 
+  @functools.cached_property
+  def _eval_and_forward(self):
+    if self.forward is None:
+      return None
+    def fn(state, batch):
+      # Each call on a model of its own, as when they run apart: a mode one sets stays its own.
+      model, optimizer = self._merge(state)
+      metrics = (self.eval_step_fn(model, optimizer, batch) if self.eval_sees_optimizer
+                 else self.eval_step_fn(model, batch))
+      return metrics, self.forward(self._merge(state)[0], batch)
+
+    return self._jit(fn, state_out=False)
+
   def decode(self, state, prompt, steps, key, temperature) -> dict[str, Any] | None:
     """`decode_fn`'s tokens, logits and cache (paths renamed to Linen's, under `cache/`)."""
     if self.decode_fn is None:
@@ -653,7 +709,7 @@ class StockNnx(_Stock):
     """The state of the `nnx_only` types as `create(0)` makes it (None if there is none)."""
     if not self._nnx_only_paths:
       return None
-    return nnx.split(self._create(0), nnx.Any(*self.nnx_only), ...)[1]
+    return self._split_only(self._created(0, placed=False))[0]
 
   def from_checkpoint(self, flat) -> Any:
     return self.place(bridge_stock.checkpoint_to_nnx(
