@@ -479,3 +479,77 @@ def test_a_dropout_off_in_train_mode_is_named_as_not_drawing_not_as_other_keys()
           ' mode (deterministic)') in message, message
   assert "Dropout_0: NNX's dropout returned its input unchanged, where the other side's dropped" in message, message
   assert 'still differs' not in message, message
+
+
+# --- 7. A check's own bug: each test fails where the check compares the wrong thing ---------
+
+
+def test_convert_resumes_from_the_converted_checkpoint(monkeypatch):
+  """The converted checkpoint, as the target side restores it, changed by one step's worth: the convert
+  part fails. A part that resumed from anything but the converted checkpoint (the kit's own layout,
+  the source state) would pass."""
+  from parity.store import pair_convert
+
+  restore = pair_convert.restore_native
+
+  def restored_otherwise(item, layout, side):
+    state = restore(item, layout, side)
+    return jax.tree.map(lambda x: x * 2 if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+
+  monkeypatch.setattr(pair_convert, 'restore_native', restored_otherwise)
+  message = _failure(checks.check_convert, _pair('base'), 'linen->nnx')
+  assert message.startswith("base: linen's own checkpoint after step 0, converted"), message
+  assert 'resumed in nnx' in message and 'params/Dense_0/kernel' in _differing(message), message
+
+
+def test_the_zero_gradient_report_names_every_parameter_no_gradient_reaches():
+  """Dense_1 and Dense_2 initialised to zeros on both sides: the loss and gradients agree, and the grads
+  part names the parameters whose gradients are exactly zero as not proven (a report that came back
+  empty would say they were)."""
+  lines = checks.check_grads(_pair('zero', zero=True))
+  unproven = [line for line in lines if line.startswith('not proven by values: ')]
+  assert len(unproven) == 1, lines
+  assert unproven[0].startswith('not proven by values: 6 parameter(s) whose gradient is exactly zero on both sides'), lines
+  for path in ('params/Dense_0/kernel', 'params/Dense_1/kernel', 'params/Dense_1/bias', 'params/Dense_2/kernel',
+               'params/Dense_2/bias', 'params/Dense_3/kernel'):
+    assert path in unproven[0], unproven[0]
+
+
+def _constrained_loss_train(model, optimizer, batch, dropout_base):
+  """The planted pair's NNX train step, its loss constrained replicated: the same numbers, one
+  more sharding annotation in the program."""
+  from jax.sharding import PartitionSpec
+
+  metrics = small_pairs._planted_nnx_code((), False, None, False)[1](model, optimizer, batch, dropout_base)
+  return {'loss': jax.lax.with_sharding_constraint(metrics['loss'], PartitionSpec())}
+
+
+def test_the_mesh_part_compares_both_sides_lowerings():
+  """An NNX step with one sharding constraint Linen's has not (on its loss: no number changes): the mesh
+  part fails on the annotations. A part that compared one side's lowering with itself would pass."""
+  base = _pair('base')
+
+  def make_sides(mesh):
+    linen, nnx_side = base.make_sides(mesh)
+    return linen, dataclasses.replace(nnx_side, train_step_fn=nnx.jit(_constrained_loss_train))
+
+  pair = dataclasses.replace(base, name='constrained_loss', make_sides=make_sides)
+  message = _failure(checks.check_mesh, pair, 'data=8')
+  assert message.startswith('constrained_loss: sharding annotations of the train steps differ on data=8 (the'
+                            ' train metrics and final state there are bit-identical)'), message
+
+
+def test_the_canonical_program_folds_transposes_that_undo_each_other_only():
+  """transpose(transpose(x)) reads as x where the second undoes the first; two that do not stay."""
+  from parity.compare import programs
+
+  x = jax.ShapeDtypeStruct((3, 3, 3), jnp.float32)
+
+  def canonical(f):
+    return programs.canonicalize(jax.jit(f).lower(x).as_text(), ['x'])
+
+  plain = canonical(lambda x: x * 2)
+  assert canonical(lambda x: jnp.transpose(jnp.transpose(x, (1, 0, 2)), (1, 0, 2)) * 2) == plain
+  assert canonical(lambda x: jnp.transpose(jnp.transpose(x, (1, 2, 0)), (2, 0, 1)) * 2) == plain
+  other = canonical(lambda x: jnp.transpose(jnp.transpose(x, (1, 0, 2)), (0, 2, 1)) * 2)
+  assert other != plain and other.count('stablehlo.transpose') == 2, other

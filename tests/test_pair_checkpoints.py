@@ -539,3 +539,17 @@ def test_the_production_pair_converts_both_ways_on_its_mesh_verified(tmp_path):
   assert to_linen.target_format == 'linen'  # boxed, as the production Linen model's create makes it
   diff = parity.compare_checkpoints(pair, tmp_path / 'nnx', tmp_path / 'to_linen')
   assert diff.equal and diff.not_compared, diff.report()
+
+
+def test_diff_compares_the_state_only_nnx_keeps_between_two_nnx_checkpoints(own, tmp_path):
+  """Two NNX checkpoints that differ only in an RNG stream's count (state no Linen checkpoint holds):
+  the diff compares that state where both checkpoints hold it, and names the leaf."""
+  _, _, (model, optimizer) = own
+  pure = nnx.to_pure_dict(nnx.state((model, optimizer)))
+  _save(tmp_path / 'a', pure)
+  pure[0]['drop']['rngs']['count'] = pure[0]['drop']['rngs']['count'] + 1
+  _save(tmp_path / 'b', pure)
+  diff = parity.compare_checkpoints(tiny_pairs.tiny, tmp_path / 'a', tmp_path / 'b')
+  assert not diff.equal and diff.kinds == {'values': 1}, diff.report()
+  assert len(diff.differences) == 1 and '0/drop/rngs/count' in diff.differences[0], diff.differences
+  assert parity.compare_checkpoints(tiny_pairs.tiny, tmp_path / 'a', tmp_path / 'a').equal

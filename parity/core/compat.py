@@ -350,16 +350,16 @@ def on_backend_compile(callback: Callable[[str, str, int, float], None]) -> Iter
     return
 
   def recorded(backend, computation, devices, *args, **kwargs):
+    # Read before XLA sees it: compiling may rewrite the module in place (Shardy's export passes).
+    try:
+      seen = (str(computation.operation.attributes['sym_name']).strip('"'),
+              hashlib.sha256(str(computation).encode()).hexdigest()[:12], int(getattr(devices, 'size', 1)))
+    except Exception:  # pylint: disable=broad-except  (a diagnostic: never fails a compile)
+      seen = None
     start = time.perf_counter()
     out = original(backend, computation, devices, *args, **kwargs)
-    seconds = time.perf_counter() - start
-    try:
-      name = str(computation.operation.attributes['sym_name']).strip('"')
-      digest = hashlib.sha256(str(computation).encode()).hexdigest()[:12]
-      count = int(getattr(devices, 'size', 1))
-      callback(name, digest, count, seconds)
-    except Exception:  # pylint: disable=broad-except  (a diagnostic: never fails a compile)
-      pass
+    if seen is not None:
+      callback(*seen, time.perf_counter() - start)
     return out
 
   compiler.compile_or_get_cached = recorded

@@ -46,6 +46,11 @@ def convert_step(value: Any, dtype: Any) -> Any:
   if isinstance(value, jax.Array):
     if value.dtype == dtype:
       return value
-    # Read above already: put back where it was, with no XLA program for the conversion.
-    return jax.device_put(np.asarray(int(value), dtype), value.sharding)
+    # Read above already: put back where it was, with no XLA program for the conversion (on one
+    # device, left uncommitted as an eager conversion's result is: a committed argument would
+    # carry a sharding into the program that takes it).
+    converted = np.asarray(int(value), dtype)
+    if isinstance(value.sharding, jax.sharding.NamedSharding):
+      return jax.device_put(converted, value.sharding)
+    return jnp.asarray(converted)
   return jnp.asarray(value, dtype)

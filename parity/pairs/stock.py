@@ -239,7 +239,10 @@ class StockLinen(_Stock):
     # identity: every state of this side takes the template's.
     # (`TrainState.create` leaves the step a Python int: an array like every leaf.)
     def leaves():
-      return [jax.numpy.asarray(x) for x in jax.tree.leaves(meta.unbox(self.create(seed)))]
+      # A Python number (TrainState's step) as an array of its own dtype, not a weakly typed one: a
+      # state carried from the other side holds it so, and one signature means one train program.
+      return [jax.numpy.asarray(x, dtype=jax.numpy.result_type(x)) if isinstance(x, (int, float)) else
+              jax.numpy.asarray(x) for x in jax.tree.leaves(meta.unbox(self.create(seed)))]
 
     shardings = None if self.mesh is None else jax.tree.leaves(self.state_shardings)
     made = _one_program(leaves, seed, shardings, f'{self.name} create')
