@@ -265,3 +265,20 @@ def test_the_battery_keeps_its_compiled_programs_in_the_projects_pytest_cache(us
   result.assert_outcomes(passed=1)
   cache = user_project.path / '.pytest_cache' / 'd' / 'parity-jax-compilation-cache'
   assert cache.is_dir() and any(cache.iterdir()), sorted(user_project.path.rglob('*'))[:20]
+
+
+def test_parity_programs_lists_each_tests_programs_and_the_parts_that_share_them(user_project):
+  """`--parity-programs`: every program a test asked for, by the kit's names. The grads part asks for one
+  loss-and-grad per side and the localizer, which reads them, for none; the totals close the table."""
+  result = user_project.runpytest_subprocess(
+      '--parity-parts=structure,grads,localize', '--parity-programs', '-p', 'no:cacheprovider',
+      '-k', 'classifier and not broken')
+  result.assert_outcomes(passed=3)
+  out = result.stdout.str()
+  table = out.split('parity: XLA programs asked for, by test', 1)[1]
+  count, rest = table.split('classifier::test_grads: ', 1)[1].split(' program(s)\n', 1)
+  names = [line.split()[0] for line in rest.splitlines()[:int(count)]]  # the start's init and batches too
+  assert names.count('jit_loss_and_grads_probe') == 2, table
+  none = table.split('asked for no program (every one they ran was compiled already):', 1)[1]
+  assert 'classifier::test_localize' in none.split('programs asked for', 1)[0], table
+  assert re.search(r'\n(\d+) programs asked for \(\d+ distinct, \d+ asked for again\), [\d.]+ s in XLA', table), table

@@ -244,7 +244,8 @@ def pytest_testnodedown(node, error):
   if recorder is not None and records:
     from parity.battery import program_count
 
-    recorder.programs += [program_count.Program(**r) for r in records]
+    recorder.programs += [program_count.Program(**r) for r in records['programs']]
+    recorder.askers += records['askers']
 
 
 def pytest_sessionfinish(session):
@@ -254,7 +255,8 @@ def pytest_sessionfinish(session):
   recorder.stop()
   worker_output = getattr(session.config, 'workeroutput', None)
   if worker_output is not None:
-    worker_output[_PROGRAM_RECORDS] = [p.as_dict() for p in recorder.programs]
+    worker_output[_PROGRAM_RECORDS] = {'programs': [p.as_dict() for p in recorder.programs],
+                                       'askers': recorder.askers}
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -265,7 +267,7 @@ def pytest_terminal_summary(terminalreporter, config):
 
   terminalreporter.section('parity: XLA programs asked for, by test')
   for line in program_count.table(sorted(recorder.programs, key=lambda p: p.asker) if _xdist(config)
-                                  else recorder.programs):
+                                  else recorder.programs, recorder.askers):
     terminalreporter.write_line(line)
 
 

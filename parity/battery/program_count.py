@@ -34,6 +34,7 @@ class Recorder:
 
   def __init__(self):
     self.programs: list[Program] = []
+    self.askers: list[str] = []  # every test recorded, in order (some ask for no program)
     self._asker = '(collection)'
     self._hook = None
 
@@ -51,6 +52,7 @@ class Recorder:
 
   @contextlib.contextmanager
   def recording(self, asker: str) -> Iterator[None]:
+    self.askers.append(asker)
     previous, self._asker = self._asker, asker
     try:
       yield
@@ -61,9 +63,10 @@ class Recorder:
     self.programs.append(Program(self._asker, function, fingerprint, devices, round(seconds, 3)))
 
 
-def table(programs: Iterable[Program]) -> list[str]:
+def table(programs: Iterable[Program], askers: Iterable[str] = ()) -> list[str]:
   """The report: one line per program in the order asked, each marked where an earlier request
-  asked for the same program, then the totals (programs, distinct programs, seconds)."""
+  asked for the same program (compiled again, or loaded from the persistent cache: XLA's seconds
+  tell which), then the tests of `askers` that asked for none, then the totals."""
   programs = list(programs)
   first: dict[str, str] = {}
   lines, repeated, seconds = [], 0, 0.0
@@ -71,7 +74,7 @@ def table(programs: Iterable[Program]) -> list[str]:
   for p in programs:
     if p.asker != asker:
       asker = p.asker
-      lines.append(asker)
+      lines.append(f'{asker}: {sum(q.asker == asker for q in programs)} program(s)')
     again = first.get(p.fingerprint)
     if again is None:
       first[p.fingerprint] = p.asker
@@ -80,6 +83,11 @@ def table(programs: Iterable[Program]) -> list[str]:
     seconds += p.seconds
     lines.append(f'  {p.function:<40} {p.devices:>2} device(s) {p.seconds:>8.3f} s  {p.fingerprint}'
                  + ('' if again is None else f'  (the same program as in {again})'))
+  asked = {p.asker for p in programs}
+  none = [a for a in dict.fromkeys(askers) if a not in asked]
+  if none:
+    lines.append(f'{len(none)} test(s) asked for no program (every one they ran was compiled already):')
+    lines += [f'  {a}' for a in none]
   lines.append(f'{len(programs)} programs asked for ({len(first)} distinct, {repeated} asked for again),'
                f' {seconds:.1f} s in XLA (compiling, or loading from the persistent cache)')
   return lines

@@ -576,12 +576,12 @@ def _probe(traced: Callable, seen: list[Recorder], params: Any, args: tuple,
   _, (shapes, _) = jax.eval_shape(lambda p, a: traced(p, None, *a), params, args)
   shapes = {k: _float_tree(v) for k, v in shapes.items()}
 
-  def run(params, args):
+  def loss_and_grads_probe(params, args):  # its program's name in `--parity-programs`
     grad = jax.value_and_grad(traced, argnums=(0, 1), has_aux=True)
     (loss, (outputs, inputs)), (param_grads, cotangents) = grad(params, _zeros_like(shapes), *args)
     return loss, outputs, inputs, cotangents, param_grads
 
-  loss, outputs, inputs, cotangents, param_grads = jax.jit(run)(params, args)
+  loss, outputs, inputs, cotangents, param_grads = jax.jit(loss_and_grads_probe)(params, args)
   recorder = seen[0]
   return RecordedProbe(
       loss=loss,

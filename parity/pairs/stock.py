@@ -49,13 +49,22 @@ def _decoded(tokens, logits, cache, rename=lambda path: path) -> dict[str, Any]:
           'cache': {f'cache/{rename(p)}': x for p, x in paths.flatten(cache).items()}}
 
 
+def named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+  """`fn` under `name`, which jax gives its program (`jit_<name>`): what `--parity-programs` lists."""
+  def program(*args, **kwargs):
+    return fn(*args, **kwargs)
+
+  program.__name__ = program.__qualname__ = name
+  return program
+
+
 def _one_program(make: Callable[[], Any], seed: int, shardings: Any, what: str) -> Any:
   """`make()` (a side's `create(seed)`, as arrays) run as one jitted program, in `shardings`
   where given: a model's initialisers are one compile, not one per eager operation (a small
   model's eager init asks XLA for some 70 programs). A `create` that cannot be traced (it reads
   a value on the host) runs eagerly, as written, with a warning saying so."""
   try:
-    return jax.jit(make, out_shardings=shardings)()
+    return jax.jit(named(make, what.replace(' ', '_')), out_shardings=shardings)()
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
           jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError) as e:
     import warnings
@@ -264,8 +273,8 @@ class StockLinen(_Stock):
   def _eval_and_forward(self):
     if self.forward is None:
       return None
-    return self._jit(lambda state, batch: (self.eval_step_fn(state, batch), self.forward(state, batch)),
-                     state_out=False)
+    return self._jit(named(lambda state, batch: (self.eval_step_fn(state, batch), self.forward(state, batch)),
+                           f'{self.name}_eval_and_forward'), state_out=False)
 
   def decode(self, state, prompt, steps, key, temperature) -> dict[str, Any] | None:
     """`decode_fn`'s tokens, logits and cache (under `cache/`); None: no `decode_fn` given."""
@@ -532,7 +541,7 @@ class StockNnx(_Stock):
 
   @functools.cached_property
   def _train_step(self):
-    return self._jit(self._train_fn, state_out=True)
+    return self._jit(named(self._train_fn, f'{self.name}_train_step'), state_out=True)
 
   def lower_for_comparison(self, state, batch, dropout_base) -> jax.stages.Lowered:
     """The train step traced anew with every module call named by its Linen path.
@@ -569,6 +578,8 @@ class StockNnx(_Stock):
       new_state, metrics = self._train_fn(nnx.merge_state(state, here), batch, dropout_base)
       return self._split_only(new_state)[1], metrics
 
+    # Compiled by the memory part alone (its analysis of the step without that state), named so.
+    fn = named(fn, f'{self.name}_train_step_without_nnx_only_state')
     if self.mesh is None:
       return jax.jit(fn)
     return jax.jit(fn, out_shardings=(self._split_only(self.state_shardings)[1], None))
@@ -622,7 +633,7 @@ class StockNnx(_Stock):
                  else self.eval_step_fn(model, batch))
       return metrics, self.forward(self._merge(state)[0], batch)
 
-    return self._jit(fn, state_out=False)
+    return self._jit(named(fn, f'{self.name}_eval_and_forward'), state_out=False)
 
   def decode(self, state, prompt, steps, key, temperature) -> dict[str, Any] | None:
     """`decode_fn`'s tokens, logits and cache (paths renamed to Linen's, under `cache/`)."""
