@@ -58,21 +58,28 @@ def named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
   return program
 
 
-def _one_program(make: Callable[[], Any], seed: int, shardings: Any, what: str) -> Any:
-  """`make()` (a side's `create(seed)`, as arrays) run as one jitted program, in `shardings`
-  where given: a model's initialisers are one compile, not one per eager operation (a small
-  model's eager init asks XLA for some 70 programs). A `create` that cannot be traced (it reads
+_INITIALISERS: dict[tuple, Callable[[], Any]] = {}  # (side kind, create, stand-ins, seed) -> its program
+
+
+def _one_program(key: tuple, make: Callable[[], Any], seed: int, what: str) -> Any:
+  """`make()` (a side's `create(seed)`, as arrays, unplaced) run as one jitted program: a model's
+  initialisers are one compile, not one per eager operation (a small model's eager init asks XLA
+  for some 70 programs). Sides of one `create` (a pair's sides on each of its meshes, which place
+  the result themselves) share the program by `key`. A `create` that cannot be traced (it reads
   a value on the host) runs eagerly, as written, with a warning saying so."""
+  program = _INITIALISERS.get(key)
+  if program is None:
+    program = _INITIALISERS[key] = jax.jit(named(make, what.replace(' ', '_')))
   try:
-    return jax.jit(named(make, what.replace(' ', '_')), out_shardings=shardings)()
+    return program()
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
           jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError) as e:
     import warnings
 
+    _INITIALISERS[key] = make
     warnings.warn(f'{what}({seed}) cannot be traced ({type(e).__name__}), so it runs eagerly: one XLA'
                   ' program per operation. A create that jax.jit can trace is one program', stacklevel=3)
-    made = make()
-    return made if shardings is None else jax.device_put(made, shardings)
+    return make()
 
 
 def _replicated(mesh, tree):
@@ -116,7 +123,9 @@ class _Stock:
   def place_batch(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
     sharding = self.batch_sharding()
     if sharding is None:
-      return {k: jax.numpy.asarray(v) for k, v in batch.items()}
+      # device_put, not jnp.asarray: the same array, and no XLA program per batch shape.
+      return {k: v if isinstance(v, jax.Array) else jax.device_put(np.asarray(v, jax.dtypes.canonicalize_dtype(
+          np.asarray(v).dtype))) for k, v in batch.items()}
     ways = self.mesh.shape[self.batch_axis]
     for k, v in batch.items():
       shape = np.shape(v)
@@ -253,8 +262,7 @@ class StockLinen(_Stock):
       return [jax.numpy.asarray(x, dtype=jax.numpy.result_type(x)) if isinstance(x, (int, float)) else
               jax.numpy.asarray(x) for x in jax.tree.leaves(meta.unbox(self.create(seed)))]
 
-    shardings = None if self.mesh is None else jax.tree.leaves(self.state_shardings)
-    made = _one_program(leaves, seed, shardings, f'{self.name} create')
+    made = _one_program(('linen', self.create, seed), leaves, seed, f'{self.name} create')
     return self.place(jax.tree.unflatten(jax.tree.structure(self.template), made))
 
   @functools.cached_property
@@ -499,14 +507,13 @@ class StockNnx(_Stock):
     return self._abstract[1]
 
   def init(self, seed: int) -> Any:
-    return self.place(self._created(seed, placed=self.mesh is not None))
+    return self.place(self._created(seed))
 
   @functools.cache  # by the side's identity (eq=False): its arrays are never donated, so shared
-  def _created(self, seed: int, placed: bool) -> Any:
-    """`nnx.split(create(seed))[1]`, made as one program (`_one_program`), in the side's
-    shardings where `placed`."""
-    shardings = self.state_shardings if placed else None
-    return _one_program(lambda: nnx.split(self._create(seed))[1], seed, shardings, f'{self.name} create')
+  def _created(self, seed: int) -> Any:
+    """`nnx.split(create(seed))[1]`, unplaced, made as one program (`_one_program`)."""
+    return _one_program(('nnx', self.create, self.substitutes, seed), lambda: nnx.split(self._create(seed))[1],
+                        seed, f'{self.name} create')
 
   def _create(self, seed: int):
     """`create(seed)`, annotated variables left unplaced (the kit places the state: `place`), each
@@ -723,7 +730,7 @@ class StockNnx(_Stock):
     """The state of the `nnx_only` types as `create(0)` makes it (None if there is none)."""
     if not self._nnx_only_paths:
       return None
-    return self._split_only(self._created(0, placed=False))[0]
+    return self._split_only(self._created(0))[0]
 
   def from_checkpoint(self, flat) -> Any:
     return self.place(bridge_stock.checkpoint_to_nnx(
