@@ -34,9 +34,10 @@ production-shaped pair and
 the half-migrated steps; the localizer's own tests on small
 planted breaks; the bridge, comparison, report, converter, launcher and
 plugin tests that compile little (a pair declared in a fresh directory
-among them). On a 2-core machine it takes about 6 minutes cold and 1.5 warm
-(an AMD EPYC; 19 and 5 on a slower Intel Xeon),
-most of it XLA compiling (docs/development.md, "Times").
+among them). Decoding runs with dropout configured (tests/test_decode.py), so a
+decoder left in train mode fails it. On a 2-core machine it takes about 7 minutes
+cold and 2 warm (an AMD EPYC), most of it XLA compiling (docs/development.md,
+"Times").
 
 The exhaustive tier adds everything else the suite has: every other decoder
 scenario (the baseline, unscanned, dropout, rematerialisation, fp8, gradient
