@@ -82,6 +82,15 @@ def _one_program(key: tuple, make: Callable[[], Any], seed: int, what: str) -> A
     return make()
 
 
+def _on_device(value: Any) -> jax.Array:
+  """`jnp.asarray(value)` as jax would make it (its dtype canonical), put with `device_put`: no XLA
+  program per shape, as `jnp.asarray` of a host array asks for one."""
+  if isinstance(value, jax.Array):
+    return value
+  host = np.asarray(value)
+  return jax.device_put(host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False))
+
+
 def _replicated(mesh, tree):
   return jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree)
 
@@ -123,9 +132,7 @@ class _Stock:
   def place_batch(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
     sharding = self.batch_sharding()
     if sharding is None:
-      # device_put, not jnp.asarray: the same array, and no XLA program per batch shape.
-      return {k: v if isinstance(v, jax.Array) else jax.device_put(np.asarray(v, jax.dtypes.canonicalize_dtype(
-          np.asarray(v).dtype))) for k, v in batch.items()}
+      return {k: _on_device(v) for k, v in batch.items()}
     ways = self.mesh.shape[self.batch_axis]
     for k, v in batch.items():
       shape = np.shape(v)
@@ -611,13 +618,14 @@ class StockNnx(_Stock):
 
   @functools.cached_property
   def _eval_step(self):
-    def fn(state, batch):
-      model, optimizer = self._merge(state)
-      if self.eval_sees_optimizer:
-        return self.eval_step_fn(model, optimizer, batch)
-      return self.eval_step_fn(model, batch)
+    return self._jit(self._evaluate, state_out=False)
 
-    return self._jit(fn, state_out=False)
+  def _evaluate(self, state, batch):
+    """`eval_step_fn` on a model merged from `state` (given the optimizer with `eval_sees_optimizer`)."""
+    model, optimizer = self._merge(state)
+    if self.eval_sees_optimizer:
+      return self.eval_step_fn(model, optimizer, batch)
+    return self.eval_step_fn(model, batch)
 
   @functools.cached_property
   def _forward(self):
@@ -633,12 +641,10 @@ class StockNnx(_Stock):
   def _eval_and_forward(self):
     if self.forward is None:
       return None
+
     def fn(state, batch):
       # Each call on a model of its own, as when they run apart: a mode one sets stays its own.
-      model, optimizer = self._merge(state)
-      metrics = (self.eval_step_fn(model, optimizer, batch) if self.eval_sees_optimizer
-                 else self.eval_step_fn(model, batch))
-      return metrics, self.forward(self._merge(state)[0], batch)
+      return self._evaluate(state, batch), self.forward(self._merge(state)[0], batch)
 
     return self._jit(named(fn, f'{self.name}_eval_and_forward'), state_out=False)
 
