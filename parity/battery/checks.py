@@ -114,6 +114,10 @@ class _Runs:
   def dropout_base(self):
     return rng.base_key(self.pair.seed)
 
+  def step_key(self, step: int) -> jax.Array:
+    """The key a train step `step` derives from the run's base key (step 0's made with the base)."""
+    return rng.first_step_key(self.pair.seed) if step == 0 else rng.step_key(self.dropout_base(), step, 0)
+
   @functools.cache
   def structure_mismatch(self) -> str | None:
     """Where the two sides' states differ in the checkpoint layout (None: nowhere)."""
@@ -178,7 +182,7 @@ class _Runs:
           ' which the localizer needs: nothing localized')
     return localize.localize_step(
         *sides, self.linen_state_before(step, init_side, mesh_spec), self.batch(step, mesh_spec=mesh_spec),
-        rng.step_key(self.dropout_base(), step, 0),
+        self.step_key(step),
     )
 
   def loss_and_grads(self) -> dict[str, dict[str, Any]]:
@@ -199,7 +203,7 @@ class _Runs:
         probes = None
       if probes is not None and all(getattr(p, 'loss', None) is not None for p in probes):
         return {side.name: {'loss': p.loss, **p.param_grads} for side, p in zip(sides, probes)}
-    start, key = self.start('linen'), rng.step_key(self.dropout_base(), 0, 0)
+    start, key = self.start('linen'), self.step_key(0)
     out = {}
     for side in sides:
       value, grads = side.value_and_grads(side.from_checkpoint(start), self.batch(0), key)
@@ -1596,7 +1600,7 @@ def check_decode(pair: adapter.Pair, placement: str) -> list[str]:
   flat = runs.start('linen', mesh_spec)
   states = (linen.from_checkpoint(flat), nnx_side.from_checkpoint(flat))
   prompt = linen.place_batch({'prompt': spec.prompt(pair.batch(0, 'eval'))})['prompt']
-  key = jax.random.fold_in(rng.base_key(pair.seed), 1)
+  key = rng.decode_key(pair.seed)
   lines = []
   for temperature in spec.temperatures:
     out = [side.decode(state, prompt, spec.steps, key, temperature) for side, state in zip((linen, nnx_side), states)]

@@ -259,6 +259,14 @@ def in_scan_check_pass() -> bool:
   return _SCAN_CHECK_DEPTH[0] > 0
 
 
+def eager() -> bool:
+  """True outside every jax trace (jit, grad, eval_shape, ...): an operation runs at once there,
+  each asking for a program of its own, while inside a trace it joins the traced program."""
+  from jax._src import core
+
+  return isinstance(core.trace_ctx.trace, core.EvalTrace)
+
+
 def current_trace() -> Any:
   """An opaque token of the jax trace now active, equal for the same trace (flax's own check)."""
   import jax.extend

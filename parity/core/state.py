@@ -52,5 +52,5 @@ def convert_step(value: Any, dtype: Any) -> Any:
     converted = np.asarray(int(value), dtype)
     if isinstance(value.sharding, jax.sharding.NamedSharding):
       return jax.device_put(converted, value.sharding)
-    return jnp.asarray(converted)
+    return jax.device_put(converted)  # uncommitted, and no `jit_stage` program as jnp.asarray's
   return jnp.asarray(value, dtype)

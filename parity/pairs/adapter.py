@@ -492,7 +492,7 @@ def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side,
   if hasattr(nnx_side, 'adopt_linen_draws'):
     from parity.core import rng
 
-    nnx_side.adopt_linen_draws(linen, pair.batch(0, 'train'), rng.step_key(rng.base_key(pair.seed), 0, 0))
+    nnx_side.adopt_linen_draws(linen, pair.batch(0, 'train'), rng.first_step_key(pair.seed))
   if in_place:
     _check_substitutions(pair, nnx_side, in_place)
   return linen, nnx_side
@@ -571,7 +571,7 @@ def _correspondence(pair: 'Pair', linen: Side, nnx_side: Any) -> Any:
 
   cached = _CORRESPONDENCES.get(id(pair))
   if cached is None or cached[0] is not pair:
-    key = rng.step_key(rng.base_key(pair.seed), 0, 0)
+    key = rng.first_step_key(pair.seed)
     cached = (pair, nnx_side.correspondence(linen, pair.batch(0, 'train'), key))
     _CORRESPONDENCES[id(pair)] = cached
   return cached[1]

@@ -32,8 +32,8 @@ The loop (`decode_loop`, around one call `(tokens int32[B, L], cache) ->
 flax's stock caches take it); token 0 is drawn from the last position of its
 logits, token i from the logits of feeding token i - 1 (`draw_tokens`), so
 the last token is drawn, not fed: a cache of `P + steps` slots ends with its
-last slot empty. `temperature` is a Python float, static (each value
-compiles its own sampler): 0.0 takes the argmax, any other draws from
+last slot empty. `temperature` is a float (one sampler program serves
+every value): 0.0 takes the argmax, any other draws from
 softmax(logits / temperature) with `jax.random.fold_in(key, step)`.
 
 `linen_decoder(model=None, inputs=, kwargs=, call=, collections=)`: `model`
@@ -68,51 +68,76 @@ def sampling_key(key: jax.Array, step) -> jax.Array:
   return jax.random.fold_in(key, step)
 
 
-@functools.partial(jax.jit, static_argnames='temperature')
-def sample(logits_BLV, key, step, temperature: float):
-  """(int32[B] token, float32[B, V] its logits) of the last position: argmax at temperature 0, else drawn."""
+@jax.jit
+def _sample(logits_BLV, key, step, temperature):
   logits_BV = logits_BLV[:, -1].astype(jnp.float32)
-  if temperature == 0.0:
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), logits_BV
-  token_B = jax.random.categorical(sampling_key(key, step), logits_BV / temperature, axis=-1)
-  return token_B.astype(jnp.int32), logits_BV
+  greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  drawn = jax.random.categorical(sampling_key(key, step), logits_BV / jnp.where(temperature == 0, 1, temperature),
+                                 axis=-1).astype(jnp.int32)
+  token_B = jnp.where(temperature == 0, greedy, drawn)
+  return token_B, logits_BV, token_B[:, None]
+
+
+def sample(logits_BLV, key, step, temperature: float):
+  """(int32[B] token, float32[B, V] its logits) of the last position: argmax at temperature 0, else
+  drawn from softmax(logits / temperature). One program serves every temperature and step."""
+  return _sample(logits_BLV, key, step, temperature)[:2]
+
+
+def _on_device(host: np.ndarray, like: Any = None) -> jax.Array:
+  """A host array put on the device (placed as `like` is, where it is on a mesh), with no XLA
+  program: `jnp.asarray` and slicing a device array each ask for one per shape."""
+  sharding = getattr(like, 'sharding', None)
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.device_put(host, sharding)
+  return jax.device_put(host)
+
+
+def _tokens(prompt) -> jax.Array:
+  """The prompt as int32 tokens on the device, where it is already (no program for a conversion)."""
+  if isinstance(prompt, jax.Array) and prompt.dtype == jnp.int32:
+    return prompt
+  return _on_device(np.asarray(jax.device_get(prompt)).astype(np.int32), prompt)
 
 
 def draw_tokens(logits_BLV, feed: Callable[[jax.Array], jax.Array], steps: int, key, temperature: float):
   """(int32[B, steps] tokens, float32[B, steps, V] their logits): token i drawn after feeding token i - 1."""
-  tokens, drawn_from = [], []
+  tokens, drawn_from, fed = [], [], None
   for step in range(steps):
     if step:
-      logits_BLV = jax.block_until_ready(feed(tokens[-1][:, None]))
+      logits_BLV = jax.block_until_ready(feed(fed))
     # One program at a time: on a mesh of CPU devices, two programs with collectives in flight
     # can each hold some devices' threads waiting for the others (XLA aborts after 40 s).
-    token_B, logits_BV = jax.block_until_ready(sample(logits_BLV, key, step, temperature))
+    token_B, logits_BV, fed = jax.block_until_ready(_sample(logits_BLV, key, step, temperature))
     tokens.append(token_B)
     drawn_from.append(logits_BV)
   if not steps:
     rows, vocab = logits_BLV.shape[0], logits_BLV.shape[-1]
-    return jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0, vocab), jnp.float32)
+    return _on_device(np.zeros((rows, 0), np.int32)), _on_device(np.zeros((rows, 0, vocab), np.float32))
   # Stacked on the host: the values are read there, and an eager stack is one more program per shape.
-  return (jnp.asarray(np.stack([np.asarray(t) for t in tokens], axis=1)),
-          jnp.asarray(np.stack([np.asarray(x) for x in drawn_from], axis=1)))
+  return (_on_device(np.stack([np.asarray(t) for t in tokens], axis=1)),
+          _on_device(np.stack([np.asarray(x) for x in drawn_from], axis=1)))
 
 
 def decode_loop(call: Callable[[jax.Array, Any], tuple[jax.Array, Any]], prompt, steps: int, key,
                 temperature: float, cache: Any = None, one_token: bool = False):
   """(tokens, their logits, the final cache) of `call(tokens, cache) -> (logits, cache)`, prompt first."""
-  prompt = jnp.asarray(prompt, jnp.int32)
+  placed = prompt = _tokens(prompt)
+  host = np.asarray(jax.device_get(prompt))
   state = {'cache': cache}
 
   def feed(tokens_BL):
     logits, state['cache'] = call(tokens_BL, state['cache'])
     return jax.block_until_ready(logits)
 
-  if one_token:
-    for i in range(prompt.shape[1]):
-      logits = feed(prompt[:, i:i + 1])
+  if one_token:  # each position sliced on the host and placed as the prompt is: no program per slice
+    for i in range(host.shape[1]):
+      logits = feed(_on_device(host[:, i:i + 1], placed))
   else:
     logits = feed(prompt)
-  tokens, drawn_from = draw_tokens(logits, feed, steps, key, temperature)
+  # Each drawn token fed placed as the prompt is (the sampler's placement is the compiler's).
+  tokens, drawn_from = draw_tokens(logits, lambda t: feed(_on_device(np.asarray(t), placed)), steps, key,
+                                   temperature)
   return tokens, drawn_from, state['cache']
 
 
@@ -182,7 +207,7 @@ class LinenDecoder:
 
   def __call__(self, state, prompt, steps: int, key, temperature: float):
     variables = self.variables(state)
-    prompt = jnp.asarray(prompt, jnp.int32)
+    prompt = _tokens(prompt)
     if self.call is not None:
       tokens, logits, cache = decode_loop(lambda t, c: self.call(variables, t, c), prompt, steps, key,
                                           temperature)
@@ -224,10 +249,31 @@ class NnxDecoder:
 
   def decoding_model(self, model: nnx.Module, batch: int, max_len: int) -> nnx.Module:
     """A copy of `model` (left as it is) decoding with empty stock caches."""
-    model = nnx.clone(model)
-    init_stock_caches(model, batch, max_len)
-    model.set_attributes(decode=True)
-    return model
+    return nnx.merge(*self.decoding_split(model, batch, max_len))
+
+  @functools.cached_property
+  def _init_cache(self):
+    @functools.partial(jax.jit, static_argnums=(0, 1, 2))
+    def nnx_init_cache(graphdef, batch: int, max_len: int, state):
+      """The empty stock caches as one program (made eagerly, each array asks for its own)."""
+      model = nnx.merge(graphdef, state)
+      init_stock_caches(model, batch, max_len)
+      return nnx.state(model, nnx.Cache)
+
+    return nnx_init_cache
+
+  def decoding_split(self, model: nnx.Module, batch: int, max_len: int):
+    """(graphdef, empty caches, state) of `model` decoding, `model` left as it is: the decoding
+    graph from an abstract copy, the caches from one program, the state the model's own."""
+
+    def decoding(m):
+      init_stock_caches(m, batch, max_len)
+      m.set_attributes(decode=True)
+      return m
+
+    graphdef, _, _ = nnx.split(nnx.eval_shape(decoding, nnx.clone(model)), nnx.Cache, ...)
+    own_graphdef, state = nnx.split(model)
+    return graphdef, self._init_cache(own_graphdef, batch, max_len, state), state
 
   def lower_step(self, model, batch: int, max_len: int) -> jax.stages.Lowered:
     """One decoding step's program (a token a row, on a cache of `max_len`), as `__call__`
@@ -237,18 +283,17 @@ class NnxDecoder:
       model = nnx.clone(model)
       _, cache = self.call(model, tokens, None)
       return nnx.jit(self.call).lower(model, tokens, cache)
-    graphdef, cache, state = nnx.split(self.decoding_model(model, batch, max_len), nnx.Cache, ...)
-    return self._step.lower(graphdef, cache, state, tokens)
+    return self._step.lower(*self.decoding_split(model, batch, max_len), tokens)
 
   def __call__(self, model, prompt, steps: int, key, temperature: float):
-    prompt = jnp.asarray(prompt, jnp.int32)
+    prompt = _tokens(prompt)
     if self.call is not None:
       model = nnx.clone(model)  # whatever the call keeps in it stays in the copy
       tokens, logits, cache = decode_loop(lambda t, c: self.call(model, t, c), prompt, steps, key,
                                           temperature)
       return tokens, logits, paths.flatten(cache)
     batch, prompt_len = prompt.shape
-    graphdef, cache, state = nnx.split(self.decoding_model(model, batch, prompt_len + steps), nnx.Cache, ...)
+    graphdef, cache, state = self.decoding_split(model, batch, prompt_len + steps)
     tokens, logits, cache = decode_loop(lambda t, c: self._step(graphdef, c, state, t), prompt, steps, key,
                                         temperature, cache=cache, one_token=True)
     return tokens, logits, paths.flatten(cache)

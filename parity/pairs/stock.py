@@ -91,6 +91,14 @@ def _on_device(value: Any) -> jax.Array:
   return jax.device_put(host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False))
 
 
+def _via_host(x: Any) -> Any:
+  """A one-device array's value on the host (a typed key array, which has none there, as it is)."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) \
+      and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) and len(x.sharding.device_set) == 1:
+    return np.asarray(x)
+  return x
+
+
 def _replicated(mesh, tree):
   return jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), tree)
 
@@ -127,7 +135,11 @@ class _Stock:
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.batch_axis))
 
   def place(self, state: Any) -> Any:
-    return state if self.mesh is None else jax.device_put(state, self.state_shardings)
+    if self.mesh is None:
+      return state
+    # From the host: a one-device array put on the mesh as it is asks for a slicing program
+    # (`jit__multi_slice`) per shape and sharding; the same bits from the host ask for none.
+    return jax.device_put(jax.tree.map(_via_host, state), self.state_shardings)
 
   def place_batch(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
     sharding = self.batch_sharding()

@@ -383,7 +383,7 @@ def cmd_renames(args) -> int:
     print(f'# {pair.name}: module correspondences given (infer_renames=False: nothing inferred)')
     print(correspond.Correspondence(getattr(nnx_side, 'renames', correspond.Renames())).python())
     return 0
-  key = rng.step_key(rng.base_key(pair.seed), 0, 0)
+  key = rng.first_step_key(pair.seed)
   try:
     found = infer(linen, pair.batch(0, 'train'), key)
   except correspond.CorrespondenceError as e:
