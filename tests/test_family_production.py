@@ -53,11 +53,12 @@ from parity.battery import checks  # noqa: E402
 @pytest.mark.exhaustive
 @pytest.mark.xdist_group('parity-production')
 def test_streams_carried_through_the_scan_are_accounted_with_what_they_add():
-  """Dropout off, the NNX model carrying its dropout streams through the scan anyway (the 4
-  stream leaves in and out of the forward loop): the memory part compares NNX's step without
-  the streams, as the program part does, and passes; its accounting line says what they add
-  to the step that carries them, 64 B of temporaries among it (8 more entries of 8 B in the
-  forward while loop's tuple, read in XLA's buffer assignment)."""
+  """Dropout off, the NNX model carrying its dropout streams through the scan anyway (the 12
+  stream leaves in and out of the forward loop: each dropout's forked nnx.Rngs holds three
+  streams, a key and a count each): the memory part compares NNX's step without the streams,
+  as the program part does, and passes; its accounting line says what they add to the step
+  that carries them, 192 B of temporaries among it (24 more entries of 8 B in the forward
+  while loop's tuple, read in XLA's buffer assignment)."""
   cfg = dataclasses.replace(CFG, dropout_rate=0.0)
 
   def create(seed):
@@ -73,12 +74,29 @@ def test_streams_carried_through_the_scan_are_accounted_with_what_they_add():
                      parts=('memory', 'program'))
   (line,) = checks.check_memory(pair)
   assert "NNX's step compared without it, as the program part compares it" in line, line
-  assert 'temp_bytes +64 B' in line, line
+  assert 'temp_bytes +192 B' in line, line
   assert checks.check_program(pair) == []
 
 
-@pytest.mark.exhaustive
-@pytest.mark.xdist_group('parity-production')
+def test_the_nnx_dropouts_keep_whole_forked_rngs_of_several_streams_in_the_codebases_own_subclass():
+  """What the pair proves is held as production NNX code holds it: each dropout is the model's own
+  subclass of nnx.Dropout keeping a fork of the whole nnx.Rngs (params, dropout and noise
+  streams), stacked per layer, made by the model's own helper."""
+  from flax import nnx
+
+  from parity.core import compat
+
+  with compat.eager_sharding_off():
+    model = nnx.eval_shape(lambda: nnx_prod.create_train_state(CFG, 0)[0])
+  for dropout in (model.layers.attention_dropout, model.layers.mlp_dropout):
+    assert type(dropout) is nnx_prod.Dropout and issubclass(nnx_prod.Dropout, nnx.Dropout)
+    assert isinstance(dropout.rngs, nnx.Rngs), type(dropout.rngs)
+    assert sorted(name for name, _ in dropout.rngs.items()) == ['dropout', 'noise', 'params']
+    assert dropout.rngs.dropout.key.shape == (CFG.num_layers,)
+  assert CFG.dropout_rate > 0
+
+
+@pytest.mark.xdist_group('parity-production/planted')
 def test_the_nnx_streams_drawing_their_own_keys_fail_naming_the_dropout_and_the_fix():
   """The NNX side left to draw its own keys (`dropout_keys='nnx'`): the grads part fails at
   layer 0's first dropout, named on both sides, with the fix that needs no change to the
@@ -96,3 +114,35 @@ def test_the_nnx_streams_drawing_their_own_keys_fail_naming_the_dropout_and_the_
           ' (layers/attention_dropout/rngs)') in message, message
   assert "StockNnx(..., dropout_keys='linen') seeds the streams the model keeps" in message, message
   assert 'pass it at the call on both sides' not in message, message
+
+
+class _OwnKey(nnx_prod.Dropout):
+  """A planted bug: the dropout draws a key it derives itself from its stream, at the call."""
+
+  def __call__(self, inputs, *, deterministic=None, rngs=None):
+    import jax
+
+    return super().__call__(inputs, deterministic=deterministic, rngs=jax.random.fold_in(self.rngs.dropout(), 7))
+
+
+@pytest.mark.xdist_group('parity-production/planted')
+def test_a_dropout_drawing_a_key_it_derived_itself_fails_naming_the_dropout_and_the_key():
+  """Layer 0's MLP dropout planted to draw `fold_in(its stream's key, 7)` passed at the call (the
+  NNX model deriving its own key): the kit leaves that draw as drawn, and the grads part fails
+  at that dropout, saying it was given a key array at the call, not what it keeps."""
+  def create(seed):
+    model, optimizer = nnx_prod.create_train_state(CFG, seed)
+    model.layers.mlp_dropout.__class__ = _OwnKey
+    return model, optimizer
+
+  def sides(mesh):
+    linen, nnx_side = make_sides(mesh)
+    return linen, dataclasses.replace(nnx_side, create=create)
+
+  pair = parity.Pair('production_own_key', sides, production.batch, parts=('grads',))
+  with pytest.raises(AssertionError) as failure:
+    checks.check_grads(pair)
+  message = str(failure.value)
+  assert 'forward pass: first differs at module layers/0/mlp_dropout (' in message, message
+  assert ('layers/mlp_dropout keeps an RNG stream (layers/mlp_dropout/rngs) but was called with a key'
+          ' array at the call (_OwnKey got a typed key, key<fry>[])') in message, message

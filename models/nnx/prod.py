@@ -5,9 +5,12 @@ Mirrors models/linen/prod.py class for class: `RMSNorm`, rotary causal
 are made stacked by `nnx.vmap` over split `nnx.Rngs` (parameters stacked on
 axis 0 under the logical name 'layers') and run by `jax.lax.scan` over the
 state `nnx.split` gives, each layer under `jax.checkpoint` (the config's remat
-policy). Each dropout holds
-its own forked stream (`nnx.Dropout(rate, rngs=rngs)`), so the model keeps
-RNG state, stacked per layer, that a Linen `TrainState` does not have; when
+policy). Its RNG streams come from one key by the codebase's own helper
+(`make_rngs`: parameters, dropout and a stream the model never draws, each a
+fold-in), and each dropout, the codebase's own subclass (`Dropout`), holds a
+fork of that whole `nnx.Rngs`, every stream, as production NNX code keeps it.
+So the model keeps RNG state, stacked per layer, that a Linen `TrainState`
+does not have; when
 a dropout draws (train mode, a rate above 0), the scan hands back the streams
 it advanced. Parameters carry logical axes
 (`nnx.with_partitioning`), activations logical constraints
@@ -108,15 +111,27 @@ class Mlp(nnx.Module):
     return self.wo(hidden)
 
 
+class Dropout(nnx.Dropout):
+  """The codebase's own dropout: it keeps a fork of the whole `nnx.Rngs` it is given (every
+  stream), where flax's keeps a fork of the one stream it draws, and draws as flax's does
+  (`rngs[rng_collection]`)."""
+
+  def __init__(self, rate: float, *, rngs: nnx.Rngs, rng_collection: str = 'dropout'):
+    super().__init__(rate, rng_collection=rng_collection)
+    if not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f'Dropout: rngs must be an nnx.Rngs, got {type(rngs).__name__}')
+    self.rngs = rngs.fork()
+
+
 class Block(nnx.Module):
   """One pre-norm decoder layer; its dropouts hold forked streams of `rngs`."""
 
   def __init__(self, cfg: ProdConfig, *, rngs: nnx.Rngs):
     self.attention = Attention(cfg, rngs=rngs)
-    self.attention_dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
+    self.attention_dropout = Dropout(cfg.dropout_rate, rngs=rngs)
     self.attention_norm = RMSNorm(cfg.emb_dim, cfg.norm_epsilon, rngs=rngs)
     self.mlp = Mlp(cfg, rngs=rngs)
-    self.mlp_dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
+    self.mlp_dropout = Dropout(cfg.dropout_rate, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.emb_dim, cfg.norm_epsilon, rngs=rngs)
 
   def __call__(self, x, deterministic: bool = True):
@@ -178,8 +193,16 @@ def make_optimizer(cfg: ProdConfig) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
 
 
+def make_rngs(seed: int) -> nnx.Rngs:
+  """The model's streams, each its own fold-in of one key: parameters, dropout, and 'noise', which
+  this model never draws (codebases keep streams for features a configuration leaves off)."""
+  key = jax.random.PRNGKey(seed)
+  return nnx.Rngs(params=jax.random.fold_in(key, 0), dropout=jax.random.fold_in(key, 1),
+                  noise=jax.random.fold_in(key, 2))
+
+
 def create_train_state(cfg: ProdConfig, seed: int) -> tuple[Transformer, nnx.Optimizer]:
-  model = Transformer(cfg, rngs=nnx.Rngs(params=seed, dropout=seed + 1))
+  model = Transformer(cfg, rngs=make_rngs(seed))
   return model, nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
 
 

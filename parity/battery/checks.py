@@ -281,6 +281,13 @@ class _Runs:
     loops = self.rnn_loops(nnx_module)
     if loops:
       return [rnn_loop_line(named, where, *loops[-1])]
+    given = pair_dropout.key_at_the_call(module.split('#', 1)[0])
+    if given is not None:
+      return [f"{named} keeps an RNG stream ({where}) but was called with a key array at the call"
+              f" ({given}): a key the NNX model derived itself, which the kit leaves as drawn (it gives"
+              " Linen's keys to an nnx.Rngs or stream, passed at the call or kept by the dropout), so"
+              " its mask is not Linen's. Let the dropout draw from what it keeps (no key at the call),"
+              " or pass it the nnx.Rngs or stream, as the Linen side's make_rng('dropout') draws"]
     return [f"{named} draws from an RNG stream the NNX model keeps ({where}), which the kit seeds with"
             " Linen's keys (dropout_keys='linen'), and still differs: the kit seeds it with the key a"
             " stock Linen step gives its apply, parity.step_key(dropout_base, step, 0) (in the grads"

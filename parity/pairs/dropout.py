@@ -167,6 +167,8 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
     off = deterministic if deterministic is not None else self.deterministic
     if off or self.rate == 0.0 or self.rate == 1.0 or (rngs is None and _NATIVE_LOOPS):
       return original(self, inputs, deterministic=deterministic, rngs=rngs)
+    if isinstance(rngs, jax.Array):  # a key the model made itself: left as drawn, and told
+      _note_key_at_the_call(self, rngs)
     found = call_of(self, source, held=rngs is None)
     if found is None:
       return original(self, inputs, deterministic=deterministic, rngs=rngs)
@@ -196,6 +198,28 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
     nnx.Dropout.__call__ = original
     nnx.MultiHeadAttention.__call__ = original_attention
     nnx.RNN.__call__ = original_rnn
+
+
+# The dropouts that drew with a key array given at the call (left as drawn), by (class, Linen path):
+# what the failure names (`key_at_the_call`).
+_KEYS_AT_THE_CALL: dict[tuple[str, str], str] = {}
+
+
+def _note_key_at_the_call(module: nnx.Module, key: jax.Array) -> None:
+  path = scopes.tagged_path(module)
+  if path is not None:
+    kind = 'a typed key' if _typed(key) else 'raw key data'
+    _KEYS_AT_THE_CALL[type(module).__qualname__, path] = f'{kind}, {key.dtype}{list(key.shape)}'
+
+
+def key_at_the_call(linen_path: str) -> str | None:
+  """'ClassName got <what>' where a dropout at `linen_path` (its Linen path) drew, while the kit
+  gave the NNX side Linen's keys, with a key array passed at the call, which the kit leaves as
+  drawn; None where none did."""
+  for (name, path), what in _KEYS_AT_THE_CALL.items():
+    if path == linen_path:
+      return f'{name} got {what}'
+  return None
 
 
 # Set while an nnx.RNN the kit leaves as drawn runs (`_rnn_with_steps_keys`): the streams held in
@@ -243,7 +267,7 @@ def _rnn_with_steps_keys(original: Callable[..., Any]) -> Callable[..., Any]:
     # and count, kept as the module's `rngs` (`_held`), not the module's other variables. For one
     # mask for every step each step reads the stream's key itself, broadcast into the loop as
     # Linen's unsplit key is; the count is scanned either way.
-    prefixes = [tuple(path.split('/')) + ('rngs',) for path, _ in held]
+    prefixes = [tuple(path.split('/')) + _kept_path(_module_at(self.cell, path)) for path, _ in held]
     under = lambda path, p: tuple(map(str, path[:len(p)])) == p  # noqa: E731
     keys_of = lambda path, value: any(under(path, p + ('key',)) for p in prefixes)  # noqa: E731
     per_step = lambda path, value: any(under(path, p) for p in prefixes)  # noqa: E731
@@ -328,9 +352,34 @@ LINEN_STREAM = 'dropout'
 
 
 def _kept(module) -> Any:
-  """The RNG stream a stock dropout (or attention) keeps as an attribute, whatever its tag, or None."""
-  stream = getattr(module, 'rngs', None)
-  return stream if isinstance(stream, nnx.RngStream) else None
+  """The RNG stream a dropout (or attention) draws from when given no key at the call, whatever its
+  tag, or None: the stream it keeps as `rngs` (stock `nnx.Dropout`: a fork of one stream), or, where
+  it keeps a whole `nnx.Rngs` (forked or not, any streams: a codebase's own dropout subclass), the
+  stream of that Rngs it draws, `rngs[rng_collection]`, as `nnx.Dropout.__call__` reads it."""
+  held = getattr(module, 'rngs', None)
+  if isinstance(held, nnx.Rngs):
+    try:
+      held = held[getattr(module, 'rng_collection', LINEN_STREAM)]
+    except (KeyError, AttributeError):
+      return None
+  return held if isinstance(held, nnx.RngStream) else None
+
+
+def _kept_path(module) -> tuple[str, ...]:
+  """Where in `module` the stream `_kept` finds lives: ('rngs',), or ('rngs', its name in the Rngs)."""
+  held = getattr(module, 'rngs', None)
+  if isinstance(held, nnx.Rngs):
+    stream = _kept(module)
+    return ('rngs', *[name for name, s in vars(held).items() if s is stream][:1])
+  return ('rngs',)
+
+
+def _module_at(root: nnx.Module, path: str) -> Any:
+  """The node at NNX path `path` ('a/b/0/c') under `root`."""
+  node = root
+  for name in filter(None, path.split('/')):
+    node = node[int(name)] if name.isdigit() and hasattr(node, '__getitem__') else getattr(node, name)
+  return node
 
 
 def _held(module) -> Any:
