@@ -61,7 +61,8 @@ class Arguments:
 
   def named(self) -> dict[str, Any]:
     """Each array the call was given, by its parameter's name in the method's signature
-    (`mask`, `x/0` inside a tuple, `args/2` for a `*args` one), in the signature's order."""
+    (`mask`, `x/0` inside a tuple, `*args/2` for a `*args` one, `2` where no signature names
+    it), in the signature's order."""
     out = {}
     for name, value in self._bound():
       for sub, leaf in paths.items(value, is_leaf=_opaque):
@@ -80,7 +81,12 @@ class Arguments:
         out = []
         for name, value in list(bound.arguments.items())[1:]:
           kind = signature.parameters[name].kind
-          out += list(value.items()) if kind is inspect.Parameter.VAR_KEYWORD else [(name, value)]
+          if kind is inspect.Parameter.VAR_KEYWORD:
+            out += list(value.items())
+          elif kind is inspect.Parameter.VAR_POSITIONAL:  # unnamed: `*args/0`, matched by what it is
+            out += [(f'*{name}/{i}', v) for i, v in enumerate(value)]
+          else:
+            out.append((name, value))
         return out
     return [(str(i), a) for i, a in enumerate(self.args)] + list(self.kwargs.items())
 

@@ -1029,27 +1029,54 @@ def _arguments(recorded: Any) -> dict[str, Any]:
   return dict(recorded) if isinstance(recorded, dict) else {'input': recorded}
 
 
+def _unnamed(name: str) -> bool:
+  """Whether an argument's name is only where it stands: a `*args` element (`*args/1`), or a
+  position where no signature names it (`1`)."""
+  head = name.split('/', 1)[0]
+  return head.startswith('*') or head.isdigit()
+
+
+def _alike(x: Any, y: Any) -> bool:
+  return tuple(x.shape) == tuple(y.shape) and paths.dtype_name(x.dtype) == paths.dtype_name(y.dtype)
+
+
 def _argument_difference(linen_args: Any, nnx_args: Any, call: str):
   """(name, difference, Linen's, NNX's) of the first argument of `call` that differs, in
   Linen's order; None where every argument found on both sides is bitwise equal.
 
-  Arguments pair by name, then those named otherwise in order, where their shapes and dtypes
-  agree (`inputs` in one framework's layer, `x` in the other's); one given on one side only
-  (an RNG key one framework takes at the call) is not compared.
+  Arguments pair by what they are. Named on both sides (their signatures name them), by name.
+  Otherwise (a `*args` element, a position no signature names, a name one side alone uses:
+  `inputs` in one framework's layer, `x` in the other's) first with an argument of the other
+  side it equals bit for bit, as two calls that get the same arrays in another order are the
+  same call; what is left then in order, where shapes and dtypes agree, so a real difference
+  is named with its argument. One given on one side only (an RNG key one framework takes at
+  the call) is not compared.
   """
   a, b = _arguments(linen_args), _arguments(nnx_args)
-  rest = [n for n in b if n not in a]
-  for name, x in a.items():
-    other = name if name in b else next(
-        (n for n in rest if tuple(b[n].shape) == tuple(x.shape)
-         and paths.dtype_name(b[n].dtype) == paths.dtype_name(x.dtype)), None)
-    if other is None:
+  by_name = {n: n for n in a if n in b and not _unnamed(n)}
+  rest = [n for n in b if n not in by_name.values()]
+  pairs = dict(by_name)
+  for name, x in a.items():  # the same array elsewhere on the other side
+    if name in pairs:
       continue
-    if other != name:
+    same = next((n for n in rest if _alike(x, b[n]) and bitwise.bitwise_equal(x, b[n])), None)
+    if same is not None:
+      pairs[name] = same
+      rest.remove(same)
+  for name, x in a.items():  # what is left: the same name, else in order where alike
+    if name in pairs:
+      continue
+    other = name if name in rest else next((n for n in rest if _alike(x, b[n])), None)
+    if other is not None:
+      pairs[name] = other
       rest.remove(other)
-    diff = bitwise.compare_leaves(f'{call}({name})', x, b[other])
+  for name in a:
+    if name not in pairs:
+      continue
+    x, y = a[name], b[pairs[name]]
+    diff = bitwise.compare_leaves(f'{call}({name})', x, y)
     if diff is not None:
-      return name, diff, x, b[other]
+      return name, diff, x, y
   return None
 
 
