@@ -37,6 +37,9 @@ _EXPORTS = {
     'model_pair': ('parity.pairs.model_level', 'model_pair'),
     'linen_side': ('parity.pairs.model_level', 'linen_side'),
     'nnx_side': ('parity.pairs.model_level', 'nnx_side'),
+    # how a model switches between train and eval mode: a keyword at the call, or an attribute
+    'Attribute': ('parity.pairs.modes', 'Attribute'),
+    'Modes': ('parity.pairs.modes', 'Modes'),
     # decoding with a KV cache: the token loop, and decode functions for flax's cache convention
     'draw_tokens': ('parity.pairs.decoding', 'draw_tokens'),
     'decode_loop': ('parity.pairs.decoding', 'decode_loop'),

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
@@ -61,6 +62,7 @@ from flax import nnx
 from flax.core import meta
 
 from parity.core import paths
+from parity.pairs import modes
 
 
 def sampling_key(key: jax.Array, step) -> jax.Array:
@@ -171,7 +173,7 @@ class LinenDecoder:
     if not isinstance(model, nn.Module):
       raise TypeError(f'linen_decoder: no model given, and the state\'s apply_fn is not a Linen module\'s'
                       f' apply: {state.apply_fn!r}')
-    return model.clone(decode=True)
+    return modes.linen_with(model, decode=True)  # a field of the module, or of its config
 
   @functools.cached_property
   def _init_cache(self):
@@ -221,10 +223,29 @@ class LinenDecoder:
 
 
 def init_stock_caches(model: nnx.Module, batch: int, max_len: int) -> None:
-  """An empty cache in each stock `nnx.MultiHeadAttention` of `model`, of its `dtype` (else `param_dtype`)."""
+  """An empty cache in each module of `model` that makes its own as flax's layers do,
+  `init_cache(input_shape, dtype)`: a stock `nnx.MultiHeadAttention` (of its `dtype`, else its
+  `param_dtype`), and any module of a model's own with that method, such as a position
+  embedding keeping its cache index, given `(batch, max_len[, its in_features])`."""
   for _, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.MultiHeadAttention):
-      node.init_cache((batch, max_len, node.in_features), node.dtype or node.param_dtype)
+    if node is model or not isinstance(node, nnx.Module) or not _makes_its_cache(node):
+      continue
+    features = getattr(node, 'in_features', None)
+    shape = (batch, max_len) if features is None else (batch, max_len, features)
+    dtype = getattr(node, 'dtype', None) or getattr(node, 'param_dtype', None) or jnp.float32
+    node.init_cache(shape, dtype)
+
+
+def _makes_its_cache(module: nnx.Module) -> bool:
+  """Whether `module` has flax's `init_cache(input_shape, dtype)` (the names its layers give them)."""
+  method = getattr(type(module), 'init_cache', None)
+  if method is None:
+    return False
+  try:
+    names = list(inspect.signature(method).parameters)[1:3]
+  except (TypeError, ValueError):
+    return False
+  return names[:1] == ['input_shape']
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -234,6 +255,7 @@ class NnxDecoder:
   inputs: Callable[[jax.Array], Any] = _tokens_only
   kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   call: Callable[..., Any] | None = None
+  attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the eval mode's, if kept
 
   @functools.cached_property
   def _step(self):
@@ -269,6 +291,8 @@ class NnxDecoder:
     def decoding(m):
       init_stock_caches(m, batch, max_len)
       m.set_attributes(decode=True)
+      if self.attributes:  # the eval mode, where the model keeps it
+        m.set_attributes(**self.attributes, raise_if_not_found=False)
       return m
 
     graphdef, _, _ = nnx.split(nnx.eval_shape(decoding, nnx.clone(model)), nnx.Cache, ...)
@@ -307,6 +331,7 @@ def linen_decoder(model: nn.Module | None = None, *, inputs: Callable[[jax.Array
 
 
 def nnx_decoder(*, inputs: Callable[[jax.Array], Any] | None = None, kwargs: Mapping[str, Any] | None = None,
-                call: Callable[..., Any] | None = None) -> NnxDecoder:
-  """A StockNnx `decode_fn(model, prompt, steps, key, temperature) -> (tokens, logits, cache)`."""
-  return NnxDecoder(inputs or _tokens_only, dict(kwargs or {}), call)
+                call: Callable[..., Any] | None = None, attributes: Mapping[str, Any] | None = None) -> NnxDecoder:
+  """A StockNnx `decode_fn(model, prompt, steps, key, temperature) -> (tokens, logits, cache)`;
+  `attributes` the eval mode's, where the model keeps its mode (set on the decoding copy)."""
+  return NnxDecoder(inputs or _tokens_only, dict(kwargs or {}), call, dict(attributes or {}))

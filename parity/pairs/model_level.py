@@ -59,13 +59,10 @@ from flax.training import train_state
 from parity.core import rng
 from parity.pairs import adapter
 from parity.pairs import decoding
+from parity.pairs import dropout as pair_dropout
+from parity.pairs import modes
 from parity.pairs import stock
 
-MODES: dict[str | None, tuple[dict[str, bool], dict[str, bool]]] = {
-    'train': ({'train': True}, {'train': False}),
-    'deterministic': ({'deterministic': False}, {'deterministic': True}),
-    None: ({}, {}),
-}
 # Collections `init` makes that are not state: sown intermediates, and a decoding cache.
 NOT_STATE = ('params', 'intermediates', 'cache')
 
@@ -84,15 +81,6 @@ def train_state_class(collections: tuple[str, ...]) -> type[TrainState]:
   fields = {'__annotations__': dict.fromkeys(collections, Any), **dict.fromkeys(collections, None),
             'collections': collections, '__module__': __name__, '__qualname__': 'TrainState'}
   return type('TrainState', (TrainState,), fields)
-
-
-def _mode(mode: str | None, train_kwargs: Mapping[str, Any] | None,
-          eval_kwargs: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-  """The keywords of the train-mode and the eval-mode call."""
-  if mode not in MODES:
-    raise ValueError(f"mode: one of {tuple(MODES)} (or train_kwargs/eval_kwargs), got {mode!r}")
-  train, evaluate = MODES[mode]
-  return {**train, **(train_kwargs or {})}, {**evaluate, **(eval_kwargs or {})}
 
 
 def _split_loss(value: Any) -> tuple[Any, dict[str, Any]]:
@@ -127,13 +115,25 @@ class LinenModel:
   eval_kwargs: Mapping[str, Any]
   dropout: str | None = 'rngs'
   decode_fn: Callable[..., Any] | None = None
+  train_attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  eval_attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  @functools.cached_property
+  def train_model(self) -> nn.Module:
+    """The model in train mode (`model` itself where the mode is a keyword at the call)."""
+    return modes.linen_with(self.model, **self.train_attributes)
+
+  @functools.cached_property
+  def eval_model(self) -> nn.Module:
+    """The model in eval mode (`model` itself where the mode is a keyword at the call)."""
+    return modes.linen_with(self.model, **self.eval_attributes)
 
   def create(self, seed: int) -> TrainState:
     """`model.init` in eval mode on the pair's first train batch, into a flax TrainState."""
     _check_call('linen_side', self.model, self.train_kwargs, self.eval_kwargs,
                 None if self.dropout == 'rngs' else self.dropout)  # rngs: apply's own keyword
-    variables = dict(self.model.init(jax.random.PRNGKey(seed), *_args(self.inputs, self.batch(0, 'train')),
-                                     **self.eval_kwargs))
+    variables = dict(self.eval_model.init(jax.random.PRNGKey(seed), *_args(self.inputs, self.batch(0, 'train')),
+                                          **self.eval_kwargs))
     state_class = train_state_class(tuple(sorted(c for c in variables if c not in NOT_STATE)))
     extra = {c: variables[c] for c in state_class.collections}
     return state_class.create(apply_fn=self.model.apply, params=variables['params'], tx=self.optimizer, **extra)
@@ -149,11 +149,11 @@ class LinenModel:
     """(loss, (updated collections, metrics)) in train mode: StockLinen's `loss`, has_aux."""
     variables = {'params': params, **{c: getattr(state, c) for c in state.collections}}
     kwargs = self._train_call(dropout_key)
+    apply = self.train_model.apply if self.train_attributes else state.apply_fn
     if state.collections:
-      outputs, updates = state.apply_fn(variables, *_args(self.inputs, batch), **kwargs,
-                                        mutable=list(state.collections))
+      outputs, updates = apply(variables, *_args(self.inputs, batch), **kwargs, mutable=list(state.collections))
     else:
-      outputs, updates = state.apply_fn(variables, *_args(self.inputs, batch), **kwargs), {}
+      outputs, updates = apply(variables, *_args(self.inputs, batch), **kwargs), {}
     value, metrics = _split_loss(self.loss_of(outputs, batch))
     return value, (dict(updates), metrics)
 
@@ -171,7 +171,8 @@ class LinenModel:
   def forward(self, state: TrainState, batch):
     """The model's eval-mode outputs."""
     variables = {'params': state.params, **{c: getattr(state, c) for c in state.collections}}
-    return state.apply_fn(variables, *_args(self.inputs, batch), **self.eval_kwargs)
+    apply = self.eval_model.apply if self.eval_attributes else state.apply_fn
+    return apply(variables, *_args(self.inputs, batch), **self.eval_kwargs)
 
   @functools.cached_property
   def eval_step(self):
@@ -200,6 +201,11 @@ class NnxModel:
   eval_kwargs: Mapping[str, Any]
   dropout: str | None = 'rngs'
   decode_fn: Callable[..., Any] | None = None
+  train_attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  eval_attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  # Whether the model's own __call__ takes `rngs`, by model class: read at `create`, before the kit
+  # wraps the class's call in its traces (a wrapper takes any keyword).
+  takes_rngs: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def create(self, seed: int) -> tuple[nnx.Module, nnx.Optimizer]:
     """The model (constructed with `rngs=nnx.Rngs(seed)`, or a copy of the one given) and its optimizer."""
@@ -207,19 +213,29 @@ class NnxModel:
       model = nnx.clone(self.make)
     else:
       model = self.make(rngs=nnx.Rngs(seed))
-    _check_call('nnx_side', model, self.train_kwargs, self.eval_kwargs, self.dropout)
+    # dropout='rngs' and no `rngs` at the call: the model's dropouts draw from the streams they keep
+    takes = self.takes_rngs.setdefault(type(model), _takes(model, 'rngs'))
+    keeps = self.dropout == 'rngs' and not takes and bool(pair_dropout.held_streams(model))
+    _check_call('nnx_side', model, self.train_kwargs, self.eval_kwargs, None if keeps else self.dropout)
+    if self.train_attributes and not any(modes.nnx_has(model, name) for name in self.train_attributes):
+      raise TypeError(f'nnx_side: no module of {type(model).__name__} keeps {" or ".join(self.train_attributes)},'
+                      " which its mode sets: name the attribute its modules keep (parity.Attribute), or give the mode by"
+                      " keyword (mode='train' or 'deterministic')")
     return model, nnx.Optimizer(model, self.optimizer, wrt=nnx.Param)
 
-  def _train_call(self, dropout_key) -> dict[str, Any]:
+  def _train_call(self, model: nnx.Module, dropout_key) -> dict[str, Any]:
     if self.dropout is None:
       return dict(self.train_kwargs)
     if self.dropout == 'rngs':
+      if not self.takes_rngs.get(type(model), True):  # its dropouts keep their streams: the kit seeds them
+        return dict(self.train_kwargs)
       return {**self.train_kwargs, 'rngs': nnx.Rngs(dropout=dropout_key)}
     return {**self.train_kwargs, self.dropout: dropout_key}
 
   def loss(self, model: nnx.Module, batch, dropout_key):
     """(loss, metrics) in train mode: StockNnx's `loss`, has_aux."""
-    outputs = model(*_args(self.inputs, batch), **self._train_call(dropout_key))
+    with modes.nnx_set(model, self.train_attributes):
+      outputs = model(*_args(self.inputs, batch), **self._train_call(model, dropout_key))
     return _split_loss(self.loss_of(outputs, batch))
 
   @functools.cached_property
@@ -235,7 +251,8 @@ class NnxModel:
 
   def forward(self, model: nnx.Module, batch):
     """The model's eval-mode outputs."""
-    return model(*_args(self.inputs, batch), **self.eval_kwargs)
+    with modes.nnx_set(model, self.eval_attributes):
+      return model(*_args(self.inputs, batch), **self.eval_kwargs)
 
   @functools.cached_property
   def eval_step(self):
@@ -275,22 +292,25 @@ def _check_call(side: str, model: Any, train_kwargs: Mapping[str, Any], eval_kwa
   if dropout is not None and not _takes(model, dropout):
     raise TypeError(f"{side}: {name} takes no `{dropout}`, which dropout={dropout!r} passes the step's dropout"
                     " key by: give dropout=None (no dropout), 'rngs' (Linen's rngs={'dropout': key}, NNX's"
-                    " rngs=nnx.Rngs(dropout=key)) or the keyword your models take the key by")
+                    " rngs=nnx.Rngs(dropout=key), or on the NNX side no key at all where its dropouts keep"
+                    " their own streams, nnx.Dropout(rate, rngs=rngs), which the kit seeds with Linen's"
+                    " keys) or the keyword your models take the key by")
 
 
 def linen_model(model: nn.Module, *, inputs: Callable[[Any], Any], loss: Callable[[Any, Any], Any],
                 optimizer: optax.GradientTransformation, batch: Callable[[int, str], Any],
-                mode: str | None = 'train', train_kwargs: Mapping[str, Any] | None = None,
+                mode: Any = 'train', train_kwargs: Mapping[str, Any] | None = None,
                 eval_kwargs: Mapping[str, Any] | None = None, dropout: str | None = 'rngs',
                 decode_inputs: Callable[[Any], Any] | None = None,
                 cache_call: Callable[..., Any] | None = None) -> LinenModel:
   """The Linen side's code (`linen_side` without the side): its `.side(mesh, **options)` makes one."""
   _check_dropout(dropout)
-  train, evaluate = _mode(mode, train_kwargs, eval_kwargs)
-  code = LinenModel(model, inputs, loss, optimizer, batch, train, evaluate, dropout)
+  own = modes.resolve(mode, 'linen', train_kwargs, eval_kwargs)
+  code = LinenModel(model, inputs, loss, optimizer, batch, own.train_kwargs, own.eval_kwargs, dropout,
+                    train_attributes=own.train_attributes, eval_attributes=own.eval_attributes)
   # The decoder reads the state's extra collections: the TrainState subclass names them.
-  decoder = _LinenStateDecoder(decoding.linen_decoder(model, inputs=decode_inputs, kwargs=evaluate,
-                                                      call=cache_call))
+  decoder = _LinenStateDecoder(decoding.linen_decoder(code.eval_model, inputs=decode_inputs,
+                                                      kwargs=own.eval_kwargs, call=cache_call))
   return dataclasses.replace(code, decode_fn=decoder)
 
 
@@ -317,20 +337,22 @@ class _LinenStateDecoder:
 
 def nnx_model(model: Callable[..., nnx.Module] | nnx.Module, *, inputs: Callable[[Any], Any],
               loss: Callable[[Any, Any], Any], optimizer: optax.GradientTransformation,
-              mode: str | None = 'train', train_kwargs: Mapping[str, Any] | None = None,
+              mode: Any = 'train', train_kwargs: Mapping[str, Any] | None = None,
               eval_kwargs: Mapping[str, Any] | None = None, dropout: str | None = 'rngs',
               decode_inputs: Callable[[Any], Any] | None = None,
               cache_call: Callable[..., Any] | None = None) -> NnxModel:
   """The NNX side's code (`nnx_side` without the side): its `.side(mesh, **options)` makes one."""
   _check_dropout(dropout)
-  train, evaluate = _mode(mode, train_kwargs, eval_kwargs)
-  return NnxModel(model, inputs, loss, optimizer, train, evaluate, dropout,
-                  decoding.nnx_decoder(inputs=decode_inputs, kwargs=evaluate, call=cache_call))
+  own = modes.resolve(mode, 'nnx', train_kwargs, eval_kwargs)
+  return NnxModel(model, inputs, loss, optimizer, own.train_kwargs, own.eval_kwargs, dropout,
+                  decoding.nnx_decoder(inputs=decode_inputs, kwargs=own.eval_kwargs, call=cache_call,
+                                       attributes=own.eval_attributes),
+                  train_attributes=own.train_attributes, eval_attributes=own.eval_attributes)
 
 
 def linen_side(model: nn.Module, *, inputs: Callable[[Any], Any], loss: Callable[[Any, Any], Any],
                optimizer: optax.GradientTransformation, batch: Callable[[int, str], Any],
-               mesh: jax.sharding.Mesh | None = None, mode: str | None = 'train',
+               mesh: jax.sharding.Mesh | None = None, mode: Any = 'train',
                train_kwargs: Mapping[str, Any] | None = None, eval_kwargs: Mapping[str, Any] | None = None,
                dropout: str | None = 'rngs', decode_inputs: Callable[[Any], Any] | None = None,
                cache_call: Callable[..., Any] | None = None, **options) -> stock.StockLinen:
@@ -343,7 +365,7 @@ def linen_side(model: nn.Module, *, inputs: Callable[[Any], Any], loss: Callable
 
 def nnx_side(model: Callable[..., nnx.Module] | nnx.Module, *, inputs: Callable[[Any], Any],
              loss: Callable[[Any, Any], Any], optimizer: optax.GradientTransformation,
-             mesh: jax.sharding.Mesh | None = None, mode: str | None = 'train',
+             mesh: jax.sharding.Mesh | None = None, mode: Any = 'train',
              train_kwargs: Mapping[str, Any] | None = None, eval_kwargs: Mapping[str, Any] | None = None,
              dropout: str | None = 'rngs', decode_inputs: Callable[[Any], Any] | None = None,
              cache_call: Callable[..., Any] | None = None, **options) -> stock.StockNnx:
@@ -357,7 +379,7 @@ def nnx_side(model: Callable[..., nnx.Module] | nnx.Module, *, inputs: Callable[
 def model_pair(name: str, *, linen: nn.Module, nnx: Callable[..., nnx.Module] | nnx.Module,
                inputs: Callable[[Any], Any], loss: Callable[[Any, Any], Any],
                optimizer: optax.GradientTransformation, batch: Callable[[int, str], Any],
-               mode: str | None = 'train', train_kwargs: Mapping[str, Any] | None = None,
+               mode: Any = 'train', train_kwargs: Mapping[str, Any] | None = None,
                eval_kwargs: Mapping[str, Any] | None = None, dropout: str | None = 'rngs',
                decode: adapter.Decode | None = None, decode_inputs: Callable[[Any], Any] | None = None,
                cache_calls: tuple[Callable[..., Any], Callable[..., Any]] | None = None,
