@@ -24,8 +24,13 @@ each framework, and return the stock sides (parity/pairs/stock.py) over it;
 
 Train and eval mode: `mode='train'` passes `train=True` / `train=False`,
 `mode='deterministic'` passes `deterministic=False` / `deterministic=True`,
-`mode=None` neither; `train_kwargs` and `eval_kwargs` add (or override)
-keywords of each mode's call. A team's own train steps remain a StockLinen
+`mode=None` neither; `parity.Attribute(name)` sets an attribute the model
+keeps (a Linen field or config field, NNX modules' attributes), `'eval()'`
+NNX's `model.train()` / `model.eval()`, `parity.Modes(linen=, nnx=)` each
+side its own (parity/pairs/modes.py); `train_kwargs` and `eval_kwargs` add
+(or override) keywords of each mode's call. NNX dropouts that keep their
+streams need no `rngs` at the call: with `dropout='rngs'` and a `__call__`
+taking none, the kit seeds the streams they keep. A team's own train steps remain a StockLinen
 or StockNnx of their own.
 
 The arguments, the same on both sides: `inputs(batch)` gives the model's
