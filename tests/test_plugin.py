@@ -282,3 +282,55 @@ def test_parity_programs_lists_each_tests_programs_and_the_parts_that_share_them
   none = table.split('asked for no program (every one they ran was compiled already):', 1)[1]
   assert 'classifier::test_localize' in none.split('programs asked for', 1)[0], table
   assert re.search(r'\n(\d+) programs asked for \(\d+ distinct, \d+ asked for again\), [\d.]+ s in XLA', table), table
+
+
+ZERO_PAIR = '''
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import parity
+
+
+class Linen(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4, kernel_init=nn.initializers.zeros)(x)
+    return nn.Dense(1, kernel_init=nn.initializers.zeros)(h)
+
+
+class Nnx(nnx.Module):
+  def __init__(self, rngs):
+    self.Dense_0 = nnx.Linear(3, 4, kernel_init=nnx.initializers.zeros, rngs=rngs)
+    self.Dense_1 = nnx.Linear(4, 1, kernel_init=nnx.initializers.zeros, rngs=rngs)
+
+  def __call__(self, x):
+    return self.Dense_1(self.Dense_0(x))
+
+
+def batch(step, split='train'):
+  rng = np.random.default_rng(step)
+  return {'x': rng.standard_normal((8, 3)).astype(np.float32), 'y': rng.standard_normal((8, 1)).astype(np.float32)}
+
+
+zeros = parity.model_pair('zeros', linen=Linen(), nnx=Nnx, inputs=lambda b: b['x'],
+                          loss=lambda y, b: jnp.mean((y - b['y']) ** 2), optimizer=optax.sgd(0.1), batch=batch,
+                          mode=None, dropout=None, parts=('grads',))
+'''
+
+
+def test_what_a_passing_part_did_not_prove_is_printed_at_the_end_of_the_run(pytester):
+  """A pair whose first layer gets exactly zero gradient (both kernels zero) passes its grads part; the run
+  ends with a section naming what the numbers did not prove, under xdist too (the note is not
+  left in the JUnit XML alone)."""
+  pytester.makepyfile(test_zeros=ZERO_PAIR)
+  for extra in ((), ('-n', '2')):
+    result = pytester.runpytest_subprocess('-p', 'no:cacheprovider', *extra)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([
+        '*parity: passed, but not proven by values*',
+        '*test_zeros.py::zeros::test_grads: not proven by values: 3 parameter(s) whose gradient is exactly zero'
+        ' on both sides*(params/Dense_0/bias, params/Dense_0/kernel, params/Dense_1/kernel)',
+    ])

@@ -117,6 +117,7 @@ def pytest_report_header(config):
 
 
 def pytest_configure(config):
+  _CONFIG[:] = [config]
   # Known to pytest-xdist; registered here too so runs without it stay strict-marker clean.
   config.addinivalue_line('markers', 'xdist_group(name): tests that share one xdist worker')
   _apply_loadgroup(config)
@@ -259,7 +260,32 @@ def pytest_sessionfinish(session):
                                        'askers': recorder.askers}
 
 
+# What a passing part could not prove by values (its `not proven by values` lines), by test: kept
+# from each test's report, under xdist the controller's, and printed at the end of the run.
+_UNPROVEN = pytest.StashKey['list']()
+UNPROVEN_PREFIX = 'not proven by values'
+
+
+def pytest_runtest_logreport(report):
+  if report.when != 'call' or not report.passed:
+    return
+  lines = [line for name, value in getattr(report, 'user_properties', ()) if name == 'declared_differences'
+           for line in (value if isinstance(value, (list, tuple)) else [value])
+           if isinstance(line, str) and line.startswith(UNPROVEN_PREFIX)]
+  if lines and _CONFIG:
+    nodeid = report.nodeid.split('@', 1)[0]  # without xdist's group mark
+    _CONFIG[0].stash.setdefault(_UNPROVEN, []).extend((nodeid, line) for line in lines)
+
+
+_CONFIG: list = []  # the session's config, for the report hook (which is given none)
+
+
 def pytest_terminal_summary(terminalreporter, config):
+  unproven = config.stash.get(_UNPROVEN, [])
+  if unproven and getattr(config, 'workeroutput', None) is None:
+    terminalreporter.section('parity: passed, but not proven by values')
+    for nodeid, line in unproven:
+      terminalreporter.write_line(f'{nodeid}: {line}')
   recorder = config.stash.get(_PROGRAMS, None)
   if recorder is None or getattr(config, 'workeroutput', None) is not None:
     return
