@@ -194,3 +194,22 @@ def test_the_kits_decoders_lower_one_step_whose_memory_compare_decode_compares()
   assert run.memory['linen']['output_bytes'] > 0 and run.memory['linen'] == run.memory['nnx'], run.memory
   assert run.memory_verdict() == 'equal to the byte'
   assert run.program is None and run.program_verdict().endswith('its memory is compared)')
+
+
+@pytest.mark.xdist_group('parity-lm_model_level/own-programs')
+def test_a_cache_of_ones_own_is_lowered_alike_on_both_sides_for_compare_decode():
+  """`cache_calls`: each side's call lowered as a function of what it is given (variables or the
+  model's state, tokens, cache) returning logits and cache, so the memory compared is the same
+  program's (NNX's step lowered with nnx.jit returned the model's state too: +85,544 B of output)."""
+  from parity.battery import checks
+  from parity.run import runner
+
+  pair = _own_cache_pair('lm_own_cache_lowered')
+  runs = checks._runs(pair)
+  sides = dict(zip(('linen', 'nnx'), runs.sides()))
+  start = runs.start('linen')
+  states = {name: side.from_checkpoint(start) for name, side in sides.items()}
+  run = runner.decode_sides(sides, states, runs.batch(0, 'eval')['tokens'][:, :4], 2, jax.random.PRNGKey(3), 0.0)
+  assert not run.diffs
+  assert run.memory['linen']['output_bytes'] > 0 and run.memory['linen'] == run.memory['nnx'], run.memory
+  assert run.memory_verdict() == 'equal to the byte'

@@ -306,7 +306,14 @@ class NnxDecoder:
     if self.call is not None:  # the cache the call makes of one token, then a step on it
       model = nnx.clone(model)
       _, cache = self.call(model, tokens, None)
-      return nnx.jit(self.call).lower(model, tokens, cache)
+      graphdef, state = nnx.split(model)
+
+      def step(state, tokens, cache):
+        """The call on the model's state: logits and cache out, as Linen's `jax.jit(call)` gives
+        (`nnx.jit` would return the model's state too, which Linen's step does not)."""
+        return self.call(nnx.merge(graphdef, state), tokens, cache)
+
+      return jax.jit(step).lower(state, tokens, cache)
     return self._step.lower(*self.decoding_split(model, batch, max_len), tokens)
 
   def __call__(self, model, prompt, steps: int, key, temperature: float):
