@@ -103,9 +103,9 @@ MAX_LEN = 16  # the calls' own cache length (more than the prompt and the steps)
 DECODING = linen_lm.LanguageModel(CFG, decode=True)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _linen_cache(batch):
-  return DECODING.init(jax.random.PRNGKey(0), jnp.zeros((batch, MAX_LEN), jnp.int32))['cache']
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _linen_cache(batch, max_len):
+  return DECODING.init(jax.random.PRNGKey(0), jnp.zeros((batch, max_len), jnp.int32))['cache']
 
 
 @jax.jit
@@ -114,10 +114,11 @@ def _linen_token(variables, cache, token_B1):
   return logits, mutated['cache']
 
 
-def linen_call(variables, tokens, cache):
-  """A cache of the user's own making: flax's, made and fed by hand, one token a call."""
+def linen_call(variables, tokens, cache, max_len=MAX_LEN):
+  """A cache of the user's own making: flax's, made and fed by hand, one token a call, as long as
+  the kit says decoding needs (`max_len`)."""
   if cache is None:
-    cache = _linen_cache(tokens.shape[0])
+    cache = _linen_cache(tokens.shape[0], max_len)
   for i in range(tokens.shape[1]):
     logits, cache = _linen_token(variables, cache, tokens[:, i:i + 1])
   return logits, cache
@@ -128,10 +129,10 @@ def _nnx_token(model, token_B1):
   return model(token_B1)
 
 
-def nnx_call(model, tokens, cache, skip_at=None):
+def nnx_call(model, tokens, cache, skip_at=None, max_len=MAX_LEN):
   """The NNX side's: its caches made by hand in the (copied) model, fed one token a call."""
   if cache is None:
-    model.init_cache(tokens.shape[0], MAX_LEN)
+    model.init_cache(tokens.shape[0], max_len)
     model.set_attributes(decode=True)
   for i in range(tokens.shape[1]):
     if skip_at is not None and int(model.blocks[0].attention.cache_index[...]) == skip_at:
@@ -154,10 +155,16 @@ def test_a_cache_of_ones_own_is_driven_by_the_same_loop():
   """`cache_calls=(linen call, nnx call)`: each side's one call, driven greedy and sampled, bit for bit."""
   from parity.battery import checks
 
-  lines = checks.check_decode(_own_cache_pair('lm_own_cache'), 'one_device')
+  pair = _own_cache_pair('lm_own_cache')
+  lines = checks.check_decode(pair, 'one_device')
   assert [line for line in lines if '8 tokens, their logits and 6 cache arrays bit for bit' in line] == [
       'greedy, one_device: 8 tokens, their logits and 6 cache arrays bit for bit',
       'temperature 0.8, one_device: 8 tokens, their logits and 6 cache arrays bit for bit'], lines
+  runs = checks._runs(pair)
+  prompt = runs.batch(0, 'eval')['tokens'][:, :4]
+  for side in runs.sides():  # each call was told the length decoding needs: 4 prompt tokens and 8 steps
+    out = side.decode(side.from_checkpoint(runs.start('linen')), prompt, 8, jax.random.PRNGKey(0), 0.0)
+    assert {x.shape[1] for p, x in out['cache'].items() if p.endswith('cached_key')} == {12}, side.name
 
 
 @pytest.mark.exhaustive
@@ -166,7 +173,7 @@ def test_a_slot_ones_own_cache_skips_fails_from_that_step_naming_the_attention()
   """A slot the NNX call skips mid-decode: the decode part fails from that step, naming the attention."""
   from parity.battery import checks
 
-  skipping = _own_cache_pair('lm_own_cache_skips', lambda *args: nnx_call(*args, skip_at=6))
+  skipping = _own_cache_pair('lm_own_cache_skips', lambda *args, max_len: nnx_call(*args, skip_at=6, max_len=max_len))
   with pytest.raises(AssertionError) as failure:
     checks.check_decode(skipping, 'one_device')
   message = str(failure.value)

@@ -20,7 +20,8 @@ side's own model.
   cache index itself).
 * any other cache: one call `(tokens, cache) -> (logits, cache)` per side,
   which the same loop drives, the whole prompt in its first call (with
-  `cache=None`), then one token a call. The call runs as given: jit it (or
+  `cache=None`), then one token a call; a call that takes a `max_len`
+  keyword is given the length decoding needs (the prompt's and the steps'). The call runs as given: jit it (or
   its model steps) yourself, alike on both sides.
 
 The NNX decoders decode on a copy of the model: the trained model never
@@ -202,8 +203,9 @@ class LinenDecoder:
     variables = self.variables(state)
     tokens = jnp.zeros((batch, 1), jnp.int32)
     if self.call is not None:  # the cache the call makes of one token, then a step on it
-      _, cache = self.call(variables, tokens, None)
-      return jax.jit(self.call).lower(variables, tokens, cache)
+      call = _with_length(self.call, max_len)
+      _, cache = call(variables, tokens, None)
+      return jax.jit(call).lower(variables, tokens, cache)
     model = self.decoding_model(state)
     return self._step.lower(model, variables, self._init_cache(model, batch, max_len), tokens)
 
@@ -211,8 +213,8 @@ class LinenDecoder:
     variables = self.variables(state)
     prompt = _tokens(prompt)
     if self.call is not None:
-      tokens, logits, cache = decode_loop(lambda t, c: self.call(variables, t, c), prompt, steps, key,
-                                          temperature)
+      call = _with_length(self.call, prompt.shape[1] + steps)
+      tokens, logits, cache = decode_loop(lambda t, c: call(variables, t, c), prompt, steps, key, temperature)
       return tokens, logits, paths.flatten(cache)
     model = self.decoding_model(state)
     batch, prompt_len = prompt.shape
@@ -220,6 +222,18 @@ class LinenDecoder:
     tokens, logits, cache = decode_loop(lambda t, c: self._step(model, variables, c, t), prompt, steps, key,
                                         temperature, cache=cache, one_token=True)
     return tokens, logits, paths.flatten(cache)
+
+
+def _with_length(call: Callable[..., Any], max_len: int) -> Callable[..., Any]:
+  """`call`, given `max_len=` (the prompt's length and the steps: the cache length decoding needs)
+  where its signature takes that keyword; as it is otherwise."""
+  try:
+    parameters = inspect.signature(call).parameters
+  except (TypeError, ValueError):
+    return call
+  if 'max_len' not in parameters:
+    return call
+  return functools.partial(call, max_len=max_len)
 
 
 def init_stock_caches(model: nnx.Module, batch: int, max_len: int) -> None:
@@ -304,14 +318,14 @@ class NnxDecoder:
     runs it: for `parity compare --decode`'s memory and program comparison."""
     tokens = jnp.zeros((batch, 1), jnp.int32)
     if self.call is not None:  # the cache the call makes of one token, then a step on it
-      model = nnx.clone(model)
-      _, cache = self.call(model, tokens, None)
+      model, call = nnx.clone(model), _with_length(self.call, max_len)
+      _, cache = call(model, tokens, None)
       graphdef, state = nnx.split(model)
 
       def step(state, tokens, cache):
         """The call on the model's state: logits and cache out, as Linen's `jax.jit(call)` gives
         (`nnx.jit` would return the model's state too, which Linen's step does not)."""
-        return self.call(nnx.merge(graphdef, state), tokens, cache)
+        return call(nnx.merge(graphdef, state), tokens, cache)
 
       return jax.jit(step).lower(state, tokens, cache)
     return self._step.lower(*self.decoding_split(model, batch, max_len), tokens)
@@ -320,8 +334,8 @@ class NnxDecoder:
     prompt = _tokens(prompt)
     if self.call is not None:
       model = nnx.clone(model)  # whatever the call keeps in it stays in the copy
-      tokens, logits, cache = decode_loop(lambda t, c: self.call(model, t, c), prompt, steps, key,
-                                          temperature)
+      call = _with_length(self.call, prompt.shape[1] + steps)
+      tokens, logits, cache = decode_loop(lambda t, c: call(model, t, c), prompt, steps, key, temperature)
       return tokens, logits, paths.flatten(cache)
     batch, prompt_len = prompt.shape
     graphdef, cache, state = self.decoding_split(model, batch, prompt_len + steps)
