@@ -111,7 +111,7 @@ class NnxLm(nnx.Module):
     self.embed = nnx.Embed(cfg.vocab_size, cfg.emb_dim, rngs=rngs)
     self.pos = NnxPositionEmbs(cfg, rngs=rngs)
     self.embed_dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
-    self.attention = nnx.MultiHeadAttention(cfg.num_heads, cfg.emb_dim, decode=False, rngs=rngs,
+    self.attention = nnx.MultiHeadAttention(cfg.num_heads, cfg.emb_dim, rngs=rngs,  # decode=None, as flax leaves it
                                             attention_fn=parity.linen_attention)
     self.attention_dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
     self.head = nnx.Linear(cfg.emb_dim, cfg.vocab_size, rngs=rngs)

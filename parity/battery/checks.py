@@ -1142,7 +1142,7 @@ def _platform_unnamed(known: adapter.KnownDifference | None, platform: str,
   """Where the pair's memory bound is by platform and names not this one: what adding it would take
   (the state's bytes equal, only temporaries moved), or '' (no such bound, or the state moved too)."""
   if (known is None or 'memory' not in known.passes or not isinstance(known.max_temp_bytes, tuple)
-      or platform not in adapter.PLATFORMS):
+      or platform.split('@', 1)[0] not in adapter.PLATFORMS):
     return ''
   if known.temp_bytes(platform) is not None or runner.memory_drift(*mem, exclude=runner.LAYOUT_MOVE_MEMORY):
     return ''

@@ -165,17 +165,48 @@ def _bytes(value: Any) -> bool:
   return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def placement(platform: str, mesh_shape: Mapping[str, int] | None = None) -> str:
+  """The key a memory bound is read under: the platform ('cpu'), and on a mesh its axes of more
+  than one device after an '@' ('cpu@data=2,fsdp=2,tensor=2', axes sorted by name)."""
+  axes = sorted((str(a), int(n)) for a, n in (mesh_shape or {}).items() if int(n) > 1)
+  return platform if not axes else platform + '@' + ','.join(f'{a}={n}' for a, n in axes)
+
+
+def _placement_key(key: Any) -> str | None:
+  """`key` of a `max_temp_bytes` mapping as `placement` writes it ('cpu', 'cpu@data=2,tensor=2'),
+  or None where it is neither a known platform nor one with a mesh spec of `axis=size` entries."""
+  if not isinstance(key, str):
+    return None
+  platform, at, spec = key.partition('@')
+  if platform not in PLATFORMS:
+    return None
+  if not at:
+    return platform
+  shape = {}
+  for item in spec.split(','):
+    axis, eq, size = item.strip().partition('=')
+    if not eq or not axis.strip().isidentifier() or not size.strip().isdigit() or axis.strip() in shape:
+      return None
+    shape[axis.strip()] = int(size)
+  key = placement(platform, shape)
+  return key if '@' in key else None
+
+
 def _by_platform(bound: Any) -> dict[str, int] | None:
-  """A `max_temp_bytes` by platform as a dict (None: one figure for every platform); a value
-  that is neither bytes nor a mapping of known platforms, each named once, to bytes is refused."""
+  """A `max_temp_bytes` by platform (and mesh) as a dict (None: one figure everywhere); a value
+  that is neither bytes nor a mapping of known platforms, or platforms on a mesh
+  ('cpu@data=2,tensor=2'), each named once, to bytes is refused."""
   if _bytes(bound):
     return None
   pairs = list(bound.items()) if isinstance(bound, Mapping) else bound
   ok = isinstance(pairs, (list, tuple)) and pairs and all(
-      isinstance(p, tuple) and len(p) == 2 and p[0] in PLATFORMS and _bytes(p[1]) for p in pairs)
+      isinstance(p, tuple) and len(p) == 2 and _placement_key(p[0]) is not None and _bytes(p[1]) for p in pairs)
+  if ok:
+    pairs = [(_placement_key(k), v) for k, v in pairs]
   if not ok or len({p[0] for p in pairs}) != len(pairs):
     raise ValueError(f'KnownDifference max_temp_bytes: bytes (an int of at least 0) or a non-empty mapping'
-                     f' of platforms {PLATFORMS} to bytes, got {bound!r}')
+                     f' of platforms {PLATFORMS}, or of a platform on a mesh (\'cpu@data=2,tensor=2\', where'
+                     f' it is measured there), to bytes, got {bound!r}')
   return dict(pairs)
 
 
@@ -253,12 +284,14 @@ class KnownDifference:
       object.__setattr__(self, 'max_temp_bytes', tuple(sorted(by_platform.items())))
 
   def temp_bytes(self, platform: str) -> int | None:
-    """The bound on temporaries and peak on `platform` ('cpu', 'gpu', 'tpu'): None where memory
-    is not declared there (no 'memory' pass, or a mapping that does not name the platform)."""
+    """The bound on temporaries and peak on `platform` ('cpu', 'gpu', 'tpu'), or on a platform's
+    mesh ('cpu@data=2,tensor=2', `placement`: its own entry, else the platform's): None where
+    memory is not declared there (no 'memory' pass, or a mapping that names neither)."""
     if 'memory' not in self.passes:
       return None
     if isinstance(self.max_temp_bytes, tuple):
-      return dict(self.max_temp_bytes).get(platform)
+      bounds, key = dict(self.max_temp_bytes), _placement_key(platform) or platform
+      return bounds.get(key, bounds.get(key.split('@', 1)[0]))
     return self.max_temp_bytes
 
   def describe(self) -> str:

@@ -239,7 +239,7 @@ class NnxModel:
 
   def loss(self, model: nnx.Module, batch, dropout_key):
     """(loss, metrics) in train mode: StockNnx's `loss`, has_aux."""
-    with modes.nnx_set(model, self.train_attributes):
+    with modes.nnx_set(model, {**modes.undecided(model), **self.train_attributes}):
       outputs = model(*_args(self.inputs, batch), **self._train_call(model, dropout_key))
     return _split_loss(self.loss_of(outputs, batch))
 
@@ -256,7 +256,7 @@ class NnxModel:
 
   def forward(self, model: nnx.Module, batch):
     """The model's eval-mode outputs."""
-    with modes.nnx_set(model, self.eval_attributes):
+    with modes.nnx_set(model, {**modes.undecided(model), **self.eval_attributes}):
       return model(*_args(self.inputs, batch), **self.eval_kwargs)
 
   @functools.cached_property

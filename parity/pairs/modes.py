@@ -16,7 +16,9 @@ A mode convention is one of:
   of every module that has them).
 
 `Modes(linen=..., nnx=...)` gives each side its own; one convention alone
-applies to both. An NNX model's attributes are set for the call and put
+applies to both. An NNX model with modules whose `decode` is None (flax's
+`nnx.MultiHeadAttention(decode=None)`) trains and evaluates with
+`decode=False` set, as flax's own NNX examples set it in every step. An NNX model's attributes are set for the call and put
 back after it, so the model a step returns is in the mode it came in (and
 its graph, which jit keys its programs by, unchanged).
 """
@@ -112,6 +114,15 @@ def linen_with(model: nn.Module, **values: Any) -> nn.Module:
                       ' nor one of a dataclass field of it (its config); give the mode by keyword'
                       " (mode='train' or 'deterministic') or name the attribute it keeps (parity.Attribute)")
   return model.clone(**direct)
+
+
+def undecided(model: nnx.Module) -> dict[str, bool]:
+  """`{'decode': False}` where a module of `model` keeps `decode` as None (flax's
+  `nnx.MultiHeadAttention(decode=None)`, decided at the call or by `set_attributes`), as a train
+  or eval step sets it, flax's own NNX examples included; `{}` otherwise."""
+  found = any(isinstance(node, nnx.Module) and 'decode' in vars(node) and vars(node)['decode'] is None
+              for _, node in nnx.iter_graph(model))
+  return {'decode': False} if found else {}
 
 
 def nnx_has(model: nnx.Module, name: str) -> bool:

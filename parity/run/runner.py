@@ -224,9 +224,10 @@ class CompareResult:
 
   @property
   def _platform(self) -> str:
-    """The platform the steps ran and their memory was measured on (a result made without one:
-    the first device's)."""
-    return self.platform or jax.devices()[0].platform
+    """Where the steps ran and their memory was measured, as a memory bound is read: the platform
+    (a result made without one: the first device's), with the mesh's axes where on a mesh
+    ('cpu@data=2,tensor=2': parity.pairs.adapter.placement)."""
+    return adapter.placement(self.platform or jax.devices()[0].platform, self.mesh_shape)
 
   @property
   def _nnx_memory_compared(self) -> dict[str, Any]:
