@@ -708,8 +708,8 @@ def test_a_memory_bound_by_platform_is_judged_on_this_platform_and_the_advice_ca
     (dict(passes='program'), r'passes: a non-empty tuple of strings'),
     (dict(passes=()), r'passes: a non-empty tuple of strings'),
     (dict(paths='LayerNorm_0'), r'paths: a non-empty tuple of strings'),
-    (dict(passes=('memory',), max_temp_bytes={'cuda': 64}), r"max_temp_bytes: .* platforms \('cpu', 'gpu', 'tpu'\)"
-     r" to bytes, got \{'cuda': 64\}"),
+    (dict(passes=('memory',), max_temp_bytes={'cuda': 64}), r"max_temp_bytes: .* platforms \('cpu', 'gpu', 'tpu'\),"
+     r" or of a platform on a mesh .* to bytes, got \{'cuda': 64\}"),
     (dict(passes=('memory',), max_temp_bytes=-64), r'max_temp_bytes: bytes \(an int of at least 0\)'),
     (dict(passes=('memory',), max_temp_bytes=(('cpu', 1), ('cpu', 2))), r'max_temp_bytes: bytes .* got'),
     (dict(passes=('memory',), max_temp_bytes=('cpu', 1)), r'max_temp_bytes: bytes .* got'),
