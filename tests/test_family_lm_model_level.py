@@ -220,3 +220,25 @@ def test_a_cache_of_ones_own_is_lowered_alike_on_both_sides_for_compare_decode()
   assert not run.diffs
   assert run.memory['linen']['output_bytes'] > 0 and run.memory['linen'] == run.memory['nnx'], run.memory
   assert run.memory_verdict() == 'equal to the byte'
+
+
+class _Subclassed(linen_lm.LanguageModel):
+  """A user's subclass of the Linen model whose `__call__` calls `super().__call__`."""
+
+  def __call__(self, tokens, train: bool = False):
+    return super().__call__(tokens, train=train)
+
+
+@pytest.mark.xdist_group('parity-lm_model_level/own-programs')
+def test_a_linen_subclass_calling_super_is_compared_as_the_model_itself():
+  """The subclass enters the root's name scope twice in Linen's debug locations; the program part
+  still finds the declared norms and passes under the pair's declaration, as the model's own."""
+  from parity.battery import checks
+
+  pair = parity.model_pair(
+      'lm_subclassed', linen=_Subclassed(CFG), nnx=lambda rngs: nnx_lm.LanguageModel(CFG, rngs=rngs),
+      inputs=lambda b: b['tokens'][:, :-1], loss=lambda logits, b: linen_lm.next_token_loss(logits, b['tokens']),
+      optimizer=linen_lm.make_optimizer(CFG), batch=lm_model_level.batch, rules=LM_RULES, known_differences=(LN,),
+      parts=('program',))
+  (line,) = checks.check_program(pair)
+  assert line.endswith('identical outside those modules'), line

@@ -98,6 +98,9 @@ def test_module_of_reads_through_transformations():
   assert programs.module_of('jvp(Encoder)/Dense_0/dot_general') == ['Dense_0']
   assert programs.module_of('jit(apply)/Net/LayerNorm_0/rsqrt') == ['LayerNorm_0']
   assert programs.module_of('jvp()/add') == []
+  # A Linen subclass whose __call__ calls super().__call__ enters the root's scope twice.
+  assert programs.module_of('jvp(MyLm)/MyLm/DecoderBlock_0/LayerNorm_0/mul') == ['DecoderBlock_0', 'LayerNorm_0']
+  assert programs.module_of('transpose(jvp(MyLm))/MyLm/MyLm/Dense_0/dot_general') == ['Dense_0']
 
 
 def _text(module_ops: list[str]) -> str:

@@ -924,7 +924,8 @@ def module_of(name: str, keep_first: bool = False) -> list[str]:
   """The module path in a name-stack string, its root module and the operation dropped.
 
   `transpose(jvp(Encoder))/layers_0/LayerNorm_0/mul` -> ['layers_0', 'LayerNorm_0'];
-  a leading jitted function's name (`jit(apply)/Net/Dense_0/dot_general`) is not the root.
+  a leading jitted function's name (`jit(apply)/Net/Dense_0/dot_general`) is not the root,
+  nor the root's name repeated by a subclass calling `super().__call__` (`jvp(Net)/Net/...`).
   `keep_first`: the first component kept. Inside a scanned body (nn.scan,
   nnx.scan) lowered as a function of its own (jax 0.10), the name stack starts
   afresh at the stack's own name (`layers/LayerNorm_0/add`, no root), and
@@ -945,6 +946,10 @@ def module_of(name: str, keep_first: bool = False) -> list[str]:
       middle.append(p)
   parts = parts[:1] + middle + parts[-1:]
   parts = [re.sub(r'\)+$', '', re.sub(r'^(?:[\w.-]*\()+', '', p)) for p in parts]
+  # A subclass's `__call__` calling `super().__call__` enters the root's name scope once more
+  # (`jvp(MyModel)/MyModel/Dense_0/dot_general`): the repeat is the root, not a module.
+  while len(parts) > 2 and parts[1] == parts[0]:
+    del parts[1]
   return parts[0 if keep_first else 1:-1]
 
 
