@@ -242,3 +242,26 @@ def test_a_linen_subclass_calling_super_is_compared_as_the_model_itself():
       parts=('program',))
   (line,) = checks.check_program(pair)
   assert line.endswith('identical outside those modules'), line
+
+
+@pytest.mark.xdist_group('parity-lm_model_level/own-programs')
+def test_an_attention_dropout_rate_on_one_side_only_is_named_as_a_rate_not_a_formula():
+  """The NNX attention planted with dropout_rate 0.0 (Linen's 0.1): the grads part fails at the
+  attention, naming the rates, and offers no stock-formula substitute (no substitute makes two
+  rates agree)."""
+  import dataclasses
+
+  from parity.battery import checks
+
+  no_rate = dataclasses.replace(CFG, attention_dropout_rate=0.0)
+  pair = parity.model_pair(
+      'lm_attention_rate', linen=linen_lm.LanguageModel(CFG), nnx=lambda rngs: nnx_lm.LanguageModel(no_rate, rngs=rngs),
+      inputs=lambda b: b['tokens'][:, :-1], loss=lambda logits, b: linen_lm.next_token_loss(logits, b['tokens']),
+      optimizer=linen_lm.make_optimizer(CFG), batch=lm_model_level.batch, rules=LM_RULES, parts=('grads',))
+  with pytest.raises(AssertionError) as failure:
+    checks.check_grads(pair)
+  message = str(failure.value)
+  assert ("DecoderBlock_0/MultiHeadDotProductAttention_0: the attentions' dropout rates differ: Linen's draws"
+          " dropout masks in train mode (make_rng('dropout') in its scope), the NNX attention's dropout_rate is"
+          " 0.0") in message, message
+  assert 'linen_attention' not in message, message

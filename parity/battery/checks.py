@@ -350,6 +350,17 @@ class _Runs:
               " call (or a stream it keeps): their masks cannot be equal. Pass the Rngs at the call and"
               " give the NNX side Linen's keys: StockNnx(..., dropout_keys='linen')"
               ' (docs/plugin.md, "Stock dropout")']
+    draws = getattr(self.side('nnx'), 'linen_draws', None)
+    if draws is not None and scheme == 'linen':  # a rate on one side only, before any formula
+      linen_draws = any(p == module or p.startswith(module + '/') for p in dict(draws))
+      if linen_draws != bool(attention.dropout_rate):
+        return [f"{module}: the attentions' dropout rates differ: "
+                + ("Linen's draws dropout masks in train mode (make_rng('dropout') in its scope), the NNX"
+                   " attention's dropout_rate is 0.0" if linen_draws else
+                   f"the NNX attention's dropout_rate is {attention.dropout_rate}, Linen's draws no dropout"
+                   " mask in train mode")
+                + ". Give both attentions the same dropout_rate (a rate is the model's, not a formula's: no"
+                  " substitute makes them agree)"]
     if attention.attention_fn is nnx.dot_product_attention and not attention.dropout_rate:
       return stock_attention_lines(module, self.stock_attention_modules())
     return []  # Linen's formula: given as attention_fn, or flax's own with a dropout rate above 0
