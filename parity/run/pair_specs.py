@@ -45,7 +45,7 @@ def param_rows(side: adapter.Side, rules, mesh_sizes: Mapping[str, int] | None) 
     shape = [int(d) for d in abstract[path].shape]
     names = annotations.get(path, ())
     row = {'path': path, 'shape': shape, 'dtype': np.dtype(abstract[path].dtype).name,
-           'logical': _listed(names), 'physical': None}
+           'logical': _listed(names), 'physical': None, 'convention': kind}
     module = path[len('params/'):]
     if renames is not None and renames.to_nnx(module) != module:
       row['nnx_path'] = 'params/' + renames.to_nnx(module)
@@ -61,13 +61,19 @@ def _listed(entries) -> list:
   return [list(e) if isinstance(e, tuple) else e for e in entries]
 
 
+_LABELS = {'mesh axes': 'mesh_axes', 'mixed': 'annotated'}
+
+
 def format_params(rows: list[Row]) -> str:
   """One line per parameter: path (NNX's own where it differs), dtype[shape], logical, physical."""
   lines = []
   for row in rows:
     own = f" (NNX {row['nnx_path']})" if 'nnx_path' in row else ''
+    # The annotation under the name of what it holds: logical names, or mesh axes already resolved
+    # (a side annotating with mesh axes has no logical names to show).
+    label = _LABELS.get(row.get('convention'), 'logical')
     line = (f"{row['path']}{own} {row['dtype']}[{','.join(str(d) for d in row['shape'])}]"
-            f" logical={specs.format_names(row['logical'])}")
+            f" {label}={specs.format_names(row['logical'])}")
     if row['physical'] is not None:
       line += f" physical={specs.format_names(row['physical'])}"
     lines.append(line + '\n')
