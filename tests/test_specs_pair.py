@@ -37,7 +37,7 @@ def test_the_production_pairs_parameter_table_on_its_own_mesh(capsys):
     assert len(rows) == 12
     assert rows['params/layers/mlp/wi_0/kernel'] == {
         'path': 'params/layers/mlp/wi_0/kernel', 'shape': [3, 32, 64], 'dtype': 'float32',
-        'logical': ['layers', 'embed', 'mlp'], 'physical': [None, 'fsdp', 'tensor']}
+        'logical': ['layers', 'embed', 'mlp'], 'physical': [None, 'fsdp', 'tensor'], 'convention': 'logical names'}
     assert rows['params/embed/embedding']['physical'] == ['tensor', 'fsdp']
     assert rows['params/final_norm/scale']['logical'] == ['norm']
 
