@@ -267,6 +267,22 @@ def test_the_battery_keeps_its_compiled_programs_in_the_projects_pytest_cache(us
   assert cache.is_dir() and any(cache.iterdir()), sorted(user_project.path.rglob('*'))[:20]
 
 
+def test_a_compilation_cache_of_ones_own_keeps_the_programs_compiled_in_under_a_second(user_project, monkeypatch,
+                                                                                          tmp_path):
+  """JAX_COMPILATION_CACHE_DIR of the user's own, nothing else set, `-p no:cacheprovider`: the
+  plugin still sets the minimum compile time and entry size to 0, so the structure part's small
+  programs (each compiled in well under a second) are written there."""
+  own = tmp_path / 'own-cache'
+  monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', str(own))
+  for name in ('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', 'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES',
+               'JAX_COMPILATION_CACHE_MAX_SIZE'):
+    monkeypatch.delenv(name, raising=False)
+  result = user_project.runpytest_subprocess('--parity-parts=structure', '-p', 'no:cacheprovider',
+                                             '-k', 'classifier and not broken')
+  result.assert_outcomes(passed=1)
+  assert own.is_dir() and any(own.iterdir()), sorted(tmp_path.rglob('*'))[:20]
+
+
 def test_parity_programs_lists_each_tests_programs_and_the_parts_that_share_them(user_project):
   """`--parity-programs`: every program a test asked for, by the kit's names. The grads part asks for one
   loss-and-grad per side and the localizer, which reads them, for none; the totals close the table."""

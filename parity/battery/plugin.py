@@ -180,12 +180,15 @@ def _prepare_xla(config, pair) -> list[str]:
 def _use_compile_cache(config) -> None:
   """jax's persistent compilation cache in the project's pytest cache (`.pytest_cache`, shared by
   the xdist workers), unless one is set: a second run of a pair loads its programs. Not with
-  `-p no:cacheprovider`, or where JAX_COMPILATION_CACHE_DIR or jax's config names one already."""
+  `-p no:cacheprovider`, or where JAX_COMPILATION_CACHE_DIR or jax's config names one already;
+  a cache the user names gets the kit's settings (every program cached) either way."""
   from parity.env import compile_cache  # imports no jax
 
   cache = getattr(config, 'cache', None)
   if cache is not None:
     compile_cache.enable(str(cache.mkdir('parity-jax-compilation-cache')))
+  else:
+    compile_cache.settle_given()
 
 
 _MAP_GUARD = map_limit.Guard()
