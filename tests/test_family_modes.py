@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import parity
@@ -152,3 +153,29 @@ def test_the_models_are_left_in_the_mode_they_came_in():
 
   linen = model_level.linen_model(LinenLm(CFG), batch=batch, **common)
   assert linen.model.config == CFG and linen.eval_model.config.deterministic and not linen.train_model.config.deterministic
+
+
+class _NoCausalMask(NnxLm):
+  """A planted bug: the NNX model's attention mask lets every token see every other."""
+
+  def __call__(self, tokens):
+    x = self.embed_dropout(self.pos(self.embed(tokens)))
+    mask = None if self.decode else nnx.make_attention_mask(tokens >= 0, tokens >= 0)
+    return self.head(x + self.attention_dropout(self.attention(x, x, mask=mask)))
+
+
+def test_the_eval_localizer_names_the_mask_its_caller_made_otherwise():
+  """The causal mask planted away on the NNX side: the eval part's localizer, as the train one,
+  compares each call's arguments as it starts and names the model's own code and the `mask`
+  argument, not the insides of the attention that received it."""
+  from parity.battery import checks
+
+  pair = parity.model_pair(
+      'modes_mask', linen=LinenLm(CFG), nnx=lambda rngs: _NoCausalMask(CFG, rngs=rngs),
+      inputs=lambda b: b['tokens'][:, :-1], loss=next_token_loss, optimizer=optax.adam(1e-2), batch=batch,
+      mode=MODE, parts=('eval',))
+  with pytest.raises(AssertionError) as failure:
+    checks.check_eval(pair)
+  message = str(failure.value)
+  assert ('eval localizer: first differs inside module (model), outside its submodules (the input of attention'
+          ' differs), run eagerly in eval mode (its argument mask:') in message, message

@@ -54,6 +54,9 @@ class _PerModelCall:
     return [localize.RecordedProbe(
         order=list(r.order), inputs=dict(r.inputs), outputs=localize.flat_outputs(r.outputs),
         cotangents={}, param_grads={}, unrecorded=r.unrecorded_calls(),
+        # Each call's arguments compared as it starts, as the train localizer compares them: an
+        # argument the caller made otherwise (a mask) blames the caller, not the callee's insides.
+        events=list(r.root.events), callers=dict(r.root.callers),
         nnx_names={} if self.to_nnx is None else localize.nnx_names(r.order, r.root.made_as, self.to_nnx))
         for r in self.recorders]
 
