@@ -101,19 +101,23 @@ def test_the_nnx_streams_drawing_their_own_keys_fail_naming_the_dropout_and_the_
   """The NNX side left to draw its own keys (`dropout_keys='nnx'`): the grads part fails at
   layer 0's first dropout, named on both sides, with the fix that needs no change to the
   model (the kit seeds the streams it keeps), not a change to both models."""
-  def sides(mesh):
-    linen, nnx_side = make_sides(mesh)
-    return linen, dataclasses.replace(nnx_side, dropout_keys='nnx')
-
-  pair = parity.Pair('production_own_keys', sides, production.batch, parts=('grads',))
-  with pytest.raises(AssertionError) as failure:
-    checks.check_grads(pair)
-  message = str(failure.value)
+  message = _grads_failure('production_own_keys', dropout_keys='nnx')
   assert 'forward pass: first differs at module layers/0/attention_dropout (' in message, message
   assert ('layers/attention_dropout draws its dropout mask from an RNG stream the NNX model keeps'
           ' (layers/attention_dropout/rngs)') in message, message
   assert "StockNnx(..., dropout_keys='linen') seeds the streams the model keeps" in message, message
   assert 'pass it at the call on both sides' not in message, message
+
+
+def _grads_failure(name: str, **nnx_changes) -> str:
+  """The grads part's failure on the production pair with its NNX side changed (`dataclasses.replace`)."""
+  def sides(mesh):
+    linen, nnx_side = make_sides(mesh)
+    return linen, dataclasses.replace(nnx_side, **nnx_changes)
+
+  with pytest.raises(AssertionError) as failure:
+    checks.check_grads(parity.Pair(name, sides, production.batch, parts=('grads',)))
+  return str(failure.value)
 
 
 class _OwnKey(nnx_prod.Dropout):
@@ -127,22 +131,15 @@ class _OwnKey(nnx_prod.Dropout):
 
 @pytest.mark.xdist_group('parity-production/planted')
 def test_a_dropout_drawing_a_key_it_derived_itself_fails_naming_the_dropout_and_the_key():
-  """Layer 0's MLP dropout planted to draw `fold_in(its stream's key, 7)` passed at the call (the
+  """The layers' MLP dropout planted to draw `fold_in(its stream's key, 7)` passed at the call (the
   NNX model deriving its own key): the kit leaves that draw as drawn, and the grads part fails
-  at that dropout, saying it was given a key array at the call, not what it keeps."""
+  at layer 0's, saying it was given a key array at the call, not what it keeps."""
   def create(seed):
     model, optimizer = nnx_prod.create_train_state(CFG, seed)
     model.layers.mlp_dropout.__class__ = _OwnKey
     return model, optimizer
 
-  def sides(mesh):
-    linen, nnx_side = make_sides(mesh)
-    return linen, dataclasses.replace(nnx_side, create=create)
-
-  pair = parity.Pair('production_own_key', sides, production.batch, parts=('grads',))
-  with pytest.raises(AssertionError) as failure:
-    checks.check_grads(pair)
-  message = str(failure.value)
+  message = _grads_failure('production_own_key', create=create)
   assert 'forward pass: first differs at module layers/0/mlp_dropout (' in message, message
   assert ('layers/mlp_dropout keeps an RNG stream (layers/mlp_dropout/rngs) but was called with a key'
           ' array at the call (_OwnKey got a typed key, key<fry>[])') in message, message
