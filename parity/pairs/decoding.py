@@ -117,9 +117,20 @@ def draw_tokens(logits_BLV, feed: Callable[[jax.Array], jax.Array], steps: int, 
   if not steps:
     rows, vocab = logits_BLV.shape[0], logits_BLV.shape[-1]
     return _on_device(np.zeros((rows, 0), np.int32)), _on_device(np.zeros((rows, 0, vocab), np.float32))
-  # Stacked on the host: the values are read there, and an eager stack is one more program per shape.
-  return (_on_device(np.stack([np.asarray(t) for t in tokens], axis=1)),
-          _on_device(np.stack([np.asarray(x) for x in drawn_from], axis=1)))
+  # Stacked on the host (the values are read there, and an eager stack is one more program per
+  # shape), then placed by rows as the sampler placed them (on a mesh: the batch's sharding).
+  return (_rows_placed(np.stack([np.asarray(t) for t in tokens], axis=1), tokens[0]),
+          _rows_placed(np.stack([np.asarray(x) for x in drawn_from], axis=1), drawn_from[0]))
+
+
+def _rows_placed(host: np.ndarray, like: jax.Array) -> jax.Array:
+  """`host` on the device, its first (batch) axis placed as `like`'s is on a mesh; else as
+  `_on_device` puts it."""
+  sharding = getattr(like, 'sharding', None)
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    rows = sharding.spec[0] if len(sharding.spec) else None
+    return jax.device_put(host, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(rows)))
+  return jax.device_put(host)
 
 
 def decode_loop(call: Callable[[jax.Array, Any], tuple[jax.Array, Any]], prompt, steps: int, key,
