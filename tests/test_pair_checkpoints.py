@@ -533,8 +533,9 @@ def test_the_production_pair_converts_both_ways_on_its_mesh_verified(tmp_path):
   to_nnx = parity.convert_checkpoint(pair, tmp_path / 'linen', tmp_path / 'to_nnx', 'nnx', verify=True, mesh=mesh)
   to_linen = parity.convert_checkpoint(pair, tmp_path / 'nnx', tmp_path / 'to_linen', 'linen', verify=True, mesh=mesh)
   assert to_nnx.verified and to_linen.verified, to_nnx.differences + to_linen.differences
-  streams = ['0/layers/attention_dropout/rngs/count/value', '0/layers/attention_dropout/rngs/key/value',
-             '0/layers/mlp_dropout/rngs/count/value', '0/layers/mlp_dropout/rngs/key/value']
+  # Each dropout keeps a fork of the model's whole nnx.Rngs: its dropout, noise and params streams.
+  streams = [f'0/layers/{dropout}/rngs/{stream}/{leaf}/value' for dropout in ('attention_dropout', 'mlp_dropout')
+             for stream in ('dropout', 'noise', 'params') for leaf in ('count', 'key')]
   assert to_nnx.initialised == streams and to_linen.dropped == streams
   assert to_linen.target_format == 'linen'  # boxed, as the production Linen model's create makes it
   diff = parity.compare_checkpoints(pair, tmp_path / 'nnx', tmp_path / 'to_linen')
