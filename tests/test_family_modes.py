@@ -179,3 +179,21 @@ def test_the_eval_localizer_names_the_mask_its_caller_made_otherwise():
   message = str(failure.value)
   assert ('eval localizer: first differs inside module (model), outside its submodules (the input of attention'
           ' differs), run eagerly in eval mode (its argument mask:') in message, message
+
+
+def test_a_mode_attribute_no_module_keeps_fails_at_create_naming_it():
+  """`parity.Attribute('deterministic')` on an NNX model none of whose modules keeps it: refused at
+  create, with the attribute named and the other conventions offered (not a mode silently unset)."""
+  from parity.pairs import model_level
+
+  class Plain(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(2, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.linear(x)
+
+  code = model_level.nnx_model(Plain, inputs=lambda b: b, loss=lambda y, b: y.sum(), optimizer=optax.sgd(0.1),
+                               mode=parity.Attribute('deterministic'), dropout=None)
+  with pytest.raises(TypeError, match=r"nnx_side: no module of Plain keeps deterministic, which its mode sets"):
+    code.create(0)

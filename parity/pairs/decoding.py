@@ -87,12 +87,13 @@ def sample(logits_BLV, key, step, temperature: float):
   return _sample(logits_BLV, key, step, temperature)[:2]
 
 
-def _on_device(host: np.ndarray, like: Any = None) -> jax.Array:
-  """A host array put on the device (placed as `like` is, where it is on a mesh), with no XLA
-  program: `jnp.asarray` and slicing a device array each ask for one per shape."""
+def _placed(host: np.ndarray, like: Any = None) -> jax.Array:
+  """A host array on the device with no XLA program (`jnp.asarray`, slicing or stacking a device
+  array each ask for one per shape): its first (batch) axis placed as `like`'s is on a mesh."""
   sharding = getattr(like, 'sharding', None)
   if isinstance(sharding, jax.sharding.NamedSharding):
-    return jax.device_put(host, sharding)
+    rows = sharding.spec[0] if len(sharding.spec) else None
+    return jax.device_put(host, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(rows)))
   return jax.device_put(host)
 
 
@@ -100,7 +101,7 @@ def _tokens(prompt) -> jax.Array:
   """The prompt as int32 tokens on the device, where it is already (no program for a conversion)."""
   if isinstance(prompt, jax.Array) and prompt.dtype == jnp.int32:
     return prompt
-  return _on_device(np.asarray(jax.device_get(prompt)).astype(np.int32), prompt)
+  return _placed(np.asarray(jax.device_get(prompt)).astype(np.int32), prompt)
 
 
 def draw_tokens(logits_BLV, feed: Callable[[jax.Array], jax.Array], steps: int, key, temperature: float):
@@ -116,21 +117,11 @@ def draw_tokens(logits_BLV, feed: Callable[[jax.Array], jax.Array], steps: int, 
     drawn_from.append(logits_BV)
   if not steps:
     rows, vocab = logits_BLV.shape[0], logits_BLV.shape[-1]
-    return _on_device(np.zeros((rows, 0), np.int32)), _on_device(np.zeros((rows, 0, vocab), np.float32))
-  # Stacked on the host (the values are read there, and an eager stack is one more program per
-  # shape), then placed by rows as the sampler placed them (on a mesh: the batch's sharding).
-  return (_rows_placed(np.stack([np.asarray(t) for t in tokens], axis=1), tokens[0]),
-          _rows_placed(np.stack([np.asarray(x) for x in drawn_from], axis=1), drawn_from[0]))
+    return _placed(np.zeros((rows, 0), np.int32)), _placed(np.zeros((rows, 0, vocab), np.float32))
+  # Stacked on the host (the values are read there), placed by rows as the sampler placed them.
+  return (_placed(np.stack([np.asarray(t) for t in tokens], axis=1), tokens[0]),
+          _placed(np.stack([np.asarray(x) for x in drawn_from], axis=1), drawn_from[0]))
 
-
-def _rows_placed(host: np.ndarray, like: jax.Array) -> jax.Array:
-  """`host` on the device, its first (batch) axis placed as `like`'s is on a mesh; else as
-  `_on_device` puts it."""
-  sharding = getattr(like, 'sharding', None)
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    rows = sharding.spec[0] if len(sharding.spec) else None
-    return jax.device_put(host, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(rows)))
-  return jax.device_put(host)
 
 
 def decode_loop(call: Callable[[jax.Array, Any], tuple[jax.Array, Any]], prompt, steps: int, key,
@@ -146,11 +137,11 @@ def decode_loop(call: Callable[[jax.Array, Any], tuple[jax.Array, Any]], prompt,
 
   if one_token:  # each position sliced on the host and placed as the prompt is: no program per slice
     for i in range(host.shape[1]):
-      logits = feed(_on_device(host[:, i:i + 1], placed))
+      logits = feed(_placed(host[:, i:i + 1], placed))
   else:
     logits = feed(prompt)
   # Each drawn token fed placed as the prompt is (the sampler's placement is the compiler's).
-  tokens, drawn_from = draw_tokens(logits, lambda t: feed(_on_device(np.asarray(t), placed)), steps, key,
+  tokens, drawn_from = draw_tokens(logits, lambda t: feed(_placed(np.asarray(t), placed)), steps, key,
                                    temperature)
   return tokens, drawn_from, state['cache']
 

@@ -222,10 +222,7 @@ class NnxModel:
     takes = self.takes_rngs.setdefault(type(model), _takes(model, 'rngs'))
     keeps = self.dropout == 'rngs' and not takes and bool(pair_dropout.held_streams(model))
     _check_call('nnx_side', model, self.train_kwargs, self.eval_kwargs, None if keeps else self.dropout)
-    if self.train_attributes and not any(modes.nnx_has(model, name) for name in self.train_attributes):
-      raise TypeError(f'nnx_side: no module of {type(model).__name__} keeps {" or ".join(self.train_attributes)},'
-                      " which its mode sets: name the attribute its modules keep (parity.Attribute), or give the mode by"
-                      " keyword (mode='train' or 'deterministic')")
+    modes.require(model, list(self.train_attributes))
     return model, nnx.Optimizer(model, self.optimizer, wrt=nnx.Param)
 
   def _train_call(self, model: nnx.Module, dropout_key) -> dict[str, Any]:

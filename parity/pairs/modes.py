@@ -125,9 +125,13 @@ def undecided(model: nnx.Module) -> dict[str, bool]:
   return {'decode': False} if found else {}
 
 
-def nnx_has(model: nnx.Module, name: str) -> bool:
-  """Whether any module of `model` keeps an attribute `name`."""
-  return any(isinstance(node, nnx.Module) and name in vars(node) for _, node in nnx.iter_graph(model))
+def require(model: nnx.Module, names: Any, side: str = 'nnx_side') -> None:
+  """A TypeError where no module of `model` keeps any of the attributes `names` its mode sets."""
+  if names and not any(isinstance(node, nnx.Module) and name in vars(node)
+                       for _, node in nnx.iter_graph(model) for name in names):
+    raise TypeError(f'{side}: no module of {type(model).__name__} keeps {" or ".join(names)}, which its mode'
+                    " sets: name the attribute its modules keep (parity.Attribute), or give the mode by"
+                    " keyword (mode='train' or 'deterministic')")
 
 
 @contextlib.contextmanager
@@ -140,9 +144,7 @@ def nnx_set(model: nnx.Module, values: Mapping[str, Any]) -> Iterator[nnx.Module
   saved = [(node, name, vars(node)[name]) for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)
            for name in values if name in vars(node)]
   if not saved:
-    raise TypeError(f'{type(model).__name__}: no module of it keeps {", ".join(sorted(values))}, which its mode'
-                    " sets: name the attribute its modules keep (parity.Attribute), or give the mode by"
-                    " keyword (mode='train' or 'deterministic')")
+    require(model, list(values), type(model).__name__)
   model.set_attributes(**values, raise_if_not_found=False)
   try:
     yield model
