@@ -35,8 +35,10 @@ def make_sides(mesh, cfg=CFG):
   return linen, nnx_side
 
 
+# Its NNX training saves in Linen's on-disk tree plus `nnx_aux` (models/nnx/prod.py, checkpoint_tree).
 production = parity.Pair('production', make_sides, functools.partial(prod_batch, CFG), mesh_factory=prod_mesh,
-                         meshes=('data=2,stage=1,fsdp=2,sequence=1,tensor=2',))
+                         meshes=('data=2,stage=1,fsdp=2,sequence=1,tensor=2',),
+                         saves={'nnx': nnx_prod.checkpoint_tree})
 # The other remat policy: each layer keeps its dots.
 production_save_dots = parity.Pair(
     'production_save_dots', functools.partial(make_sides, cfg=CFG_DOTS), functools.partial(prod_batch, CFG_DOTS),

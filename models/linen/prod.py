@@ -187,3 +187,26 @@ def forward(state: TrainState, batch):
 @jax.jit
 def eval_step(state: TrainState, batch):
   return {'loss': next_token_loss(forward(state, batch), batch['tokens'])}
+
+
+# --- checkpoints, as this codebase's training writes and reads them ---
+#
+# The TrainState as it is, one CheckpointManager item, ITEM (models/nnx/prod.py writes the same tree).
+
+ITEM = 'items'
+
+
+def save_checkpoint(manager, step: int, state: TrainState) -> None:
+  """Saves step `step` with an Orbax CheckpointManager, as the training loop does."""
+  import orbax.checkpoint as ocp
+
+  manager.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardSave(state)}))
+  manager.wait_until_finished()
+
+
+def restore_checkpoint(manager, step: int, state: TrainState) -> TrainState:
+  """Step `step`, restored in `state`'s shapes and shardings, as the training loop resumes."""
+  import orbax.checkpoint as ocp
+
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  return manager.restore(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(abstract)}))[ITEM]

@@ -233,3 +233,59 @@ def forward(model: Transformer, batch):
 @nnx.jit
 def eval_step(model: Transformer, batch):
   return {'loss': next_token_loss(forward(model, batch), batch['tokens'])}
+
+
+# --- checkpoints, as this codebase's training writes and reads them ---
+#
+# The NNX training saves in the Linen TrainState's on-disk tree, so that runs of either side resume
+# from the other's checkpoints, and keeps what Linen has no place for (the RNG streams the model
+# holds) beside it, under `nnx_aux`. One CheckpointManager item, ITEM, as the Linen side writes.
+
+ITEM = 'items'
+
+
+def checkpoint_tree(train_state: tuple[Transformer, nnx.Optimizer]) -> dict:
+  """The tree this codebase saves: Linen's `step` (int32), `params` and `opt_state` (optax's own
+  tuple of states), plus `nnx_aux`, the model's RNG streams."""
+  model, optimizer = train_state
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  own = nnx.to_pure_dict(nnx.state(optimizer))
+  chain = jax.tree.structure(jax.eval_shape(optimizer.tx.init, params))
+  return {
+      'step': own['step'].astype(jnp.int32),
+      'params': params,
+      'opt_state': jax.tree.unflatten(chain, jax.tree.leaves(own['opt_state'])),
+      'nnx_aux': nnx.to_pure_dict(nnx.state(model, nnx.RngState)),
+  }
+
+
+def restore_checkpoint_tree(tree: dict, train_state: tuple[Transformer, nnx.Optimizer]) -> None:
+  """Writes a restored `checkpoint_tree` into the train state, in place: its inverse."""
+  model, optimizer = train_state
+  for kind, saved in ((nnx.Param, tree['params']), (nnx.RngState, tree['nnx_aux'])):
+    state = nnx.state(model, kind)
+    nnx.replace_by_pure_dict(state, saved)
+    nnx.update(model, state)
+  state = nnx.state(optimizer)
+  own = nnx.to_pure_dict(state)
+  own['step'] = jnp.asarray(tree['step']).astype(own['step'].dtype)
+  own['opt_state'] = jax.tree.unflatten(jax.tree.structure(own['opt_state']), jax.tree.leaves(tree['opt_state']))
+  nnx.replace_by_pure_dict(state, own)
+  nnx.update(optimizer, state)
+
+
+def save_checkpoint(manager, step: int, train_state) -> None:
+  """Saves step `step` with an Orbax CheckpointManager, as the training loop does."""
+  import orbax.checkpoint as ocp
+
+  manager.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardSave(checkpoint_tree(train_state))}))
+  manager.wait_until_finished()
+
+
+def restore_checkpoint(manager, step: int, train_state) -> None:
+  """Restores step `step` into the train state (in place), as the training loop resumes."""
+  import orbax.checkpoint as ocp
+
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, checkpoint_tree(train_state))
+  restored = manager.restore(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(abstract)}))
+  restore_checkpoint_tree(restored[ITEM], train_state)

@@ -1685,10 +1685,10 @@ def check_convert(pair: adapter.Pair, direction: str) -> list[str]:
   metrics = [dict(m)]
   with tempfile.TemporaryDirectory() as d:
     saver = ocp.StandardCheckpointer()
-    saver.save(f'{d}/own', state)
+    saver.save(f'{d}/own', pair_convert.own_tree(pair, src_name, src, state))
     saver.wait_until_finished()
     result = pair_convert.convert_checkpoint(pair, f'{d}/own', f'{d}/converted', dst_name, sides=runs.sides())
-    layouts = pair_convert.pair_layouts(runs.sides())
+    layouts = pair_convert.pair_layouts(runs.sides(), pair.saves)
     item = pair_convert.locate(f'{d}/converted', 'DST')
     state = pair_convert.restore_native(item, layouts[result.target_format], dst)
   for step in range(1, pair.steps):

@@ -186,6 +186,15 @@ def jax_minor() -> str:
   return '.'.join(jax.__version__.split('.')[:2])
 
 
+def is_jaxpr_literal(x: Any) -> bool:
+  """Whether a jaxpr operand is a literal constant (`jax.extend.core.Literal`, where jax has it)."""
+  try:
+    from jax.extend.core import Literal  # pylint: disable=g-import-not-at-top
+  except ImportError:  # older jax
+    from jax._src.core import Literal  # pylint: disable=g-import-not-at-top
+  return isinstance(x, Literal)
+
+
 def linen_make_rng(root: Any, path: Sequence[str], count: int) -> Any:
   """The key Linen's `make_rng` gives the `count`-th draw (from 1) in the scope at `path`
   of an `apply` given `root` for that collection: flax's own derivation (`LazyRng`),

@@ -436,6 +436,11 @@ class Pair:
   # mesh_factory(spec, devices) -> the model's own jax Mesh for a spec of `meshes` (its axis
   # names, order and shape, over `devices`); None: parity.core.specs.make_mesh.
   mesh_factory: Callable[[str, Sequence[Any]], jax.sharding.Mesh] | None = None
+  # The tree each side's own save code hands Orbax, where it is not the side's state as it is:
+  # role ('linen', 'nnx') -> a function of what that side's `create` returns (for instance an NNX
+  # state saved in the Linen layout plus an `nnx_aux` subtree). Checkpoint conversion writes it and
+  # reads it, the convert part saves with it (docs/howto-checkpoints.md).
+  saves: Mapping[str, Callable[[Any], Any]] | None = None
 
   def mesh(self, spec: str) -> jax.sharding.Mesh:
     """The mesh of one of the pair's mesh specs, over every device: the pair's own factory's."""

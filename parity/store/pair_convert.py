@@ -58,7 +58,10 @@ COMMIT = 'commit_success.txt'
 SHARDING = '_sharding'
 ORBAX_TMP = '.orbax-checkpoint-tmp'
 FORMATS = ('linen', 'linen-unboxed', 'nnx', 'nnx-pure')
-SIDE_OF_FORMAT = {'linen': 'linen', 'linen-unboxed': 'linen', 'nnx': 'nnx', 'nnx-pure': 'nnx'}
+# A side's own layout, declared by the tree its save code builds (Pair.saves; parity/store/own_layout.py).
+OWN_FORMATS = ('linen-own', 'nnx-own')
+SIDE_OF_FORMAT = {'linen': 'linen', 'linen-unboxed': 'linen', 'nnx': 'nnx', 'nnx-pure': 'nnx',
+                  'linen-own': 'linen', 'nnx-own': 'nnx'}
 ARRAY_TYPES = ('jax.Array', 'np.ndarray', 'scalar')
 ROLES = ('linen', 'nnx')
 
@@ -198,9 +201,17 @@ def side_layout(side: Any, role: str, fmt: str) -> Layout:
   return Layout(role, fmt, tuple(leaves), tuple(empties), tuple(order), tree)
 
 
-def pair_layouts(sides: Sequence[Any]) -> dict[str, Layout]:
-  """Each of FORMATS the pair's sides save in (`linen-unboxed` only where it differs from `linen`)."""
+def pair_layouts(sides: Sequence[Any], saves: Mapping[str, Any] | None = None) -> dict[str, Layout]:
+  """Each side's own declared layout (`saves`: role -> the function building the tree its code
+  saves; first, so a checkpoint that is also a stock tree is named as the side's own), then each of
+  FORMATS (`linen-unboxed` only where it differs from `linen`)."""
+  from parity.store import own_layout
+
   out = {}
+  for role, save in sorted((saves or {}).items(), key=lambda kv: ROLES.index(kv[0]) if kv[0] in ROLES else -1):
+    if role not in ROLES:
+      raise ConvertError(f"Pair saves: keys are 'linen' and 'nnx', got {role!r}")
+    out[own_layout.own_format(role)] = own_layout.own_layout(sides[ROLES.index(role)], role, save)
   for fmt in FORMATS:
     role = SIDE_OF_FORMAT[fmt]
     side = sides[ROLES.index(role)]
@@ -327,6 +338,10 @@ def _pytree_items(step_dir: str) -> tuple[list[str], list[str]]:
   return trees, [n for n in names if n not in trees]
 
 
+# The command-line flag that picks each checkpoint's step (convert's SRC; diff-checkpoints' A and B).
+_STEP_FLAGS = {'SRC': '--step', 'A': '--step-a', 'B': '--step-b'}
+
+
 def locate(path: str | os.PathLike, what: str, step: int | None = None, item: str | None = None,
            layouts: Mapping[str, Layout] | None = None) -> Item:
   """The train-state item of a StandardCheckpointer directory or of one step (default: the
@@ -337,7 +352,14 @@ def locate(path: str | os.PathLike, what: str, step: int | None = None, item: st
   if not os.path.isdir(path):
     raise ConvertError(f'{what} {path} is a file, not an Orbax checkpoint directory')
   _unfinished(path, what)
+  step_flag = _STEP_FLAGS.get(what, '--step')
   if os.path.exists(os.path.join(path, METADATA)):  # a StandardCheckpointer directory
+    step_dir = os.path.dirname(path)
+    if (not os.path.exists(os.path.join(path, CHECKPOINT_METADATA))
+        and os.path.exists(os.path.join(step_dir, CHECKPOINT_METADATA))):
+      raise ConvertError(f'{what} {path} is item {os.path.basename(path)!r} of step {os.path.basename(step_dir)}'
+                         f' of the CheckpointManager directory {os.path.dirname(step_dir)}: pass that directory'
+                         f' (with {step_flag} {os.path.basename(step_dir)} --item {os.path.basename(path)})')
     if step is not None or item is not None:
       raise ConvertError(f'{what} {path} is one StandardCheckpointer save: it has no steps or items to choose')
     if not os.path.exists(os.path.join(path, CHECKPOINT_METADATA)):
@@ -347,7 +369,7 @@ def locate(path: str | os.PathLike, what: str, step: int | None = None, item: st
     return Item(path, 'checkpointer', path, metadata=metadata, arrays=arrays)
   if os.path.exists(os.path.join(path, CHECKPOINT_METADATA)):
     raise ConvertError(f'{what} {path} is one step of a CheckpointManager directory; pass its parent'
-                       f' (and --step {os.path.basename(path)})')
+                       f' (and {step_flag} {os.path.basename(path)})')
   names = os.listdir(path)
   steps = sorted(int(n) for n in names if n.isdigit() and os.path.exists(os.path.join(path, n, CHECKPOINT_METADATA)))
   if step is None and not steps:
@@ -759,9 +781,13 @@ def abstract_target(side: Any, layout: Layout) -> Any:
   from parity.core import paths
 
   shardings = _native_shardings(side)
+  # A stock tree is the state's own: its paths are the state's. A declared one names each leaf's source.
+  own = {leaf.disk: leaf.native for leaf in layout.leaves} if layout.format in OWN_FORMATS else None
 
   def one(keypath, node):
     name = paths._path_str(keypath)
+    if own is not None and name not in shardings:
+      name = own.get(name, own.get(name + '/value', name))
     if isinstance(node, nnx.Variable):
       x = node.get_value()
       return compat.nnx_variable_with_value(node, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[name]))
@@ -793,8 +819,41 @@ def restore_native(item: Item, layout: Layout, side: Any) -> Any:
           **{item.item: ocp.args.StandardRestore(target)}))[item.item]
     finally:
       manager.close()
-  state = paths.fill(f'{item.describe()} -> {layout.role} state', side.template, paths.flatten(restored))
+  flat = paths.flatten(restored)
+  if layout.format in OWN_FORMATS:
+    flat = _own_to_native(layout, side, flat)
+  state = paths.fill(f'{item.describe()} -> {layout.role} state', side.template, flat)
   return _uncommitted(state) if side.mesh is None else state
+
+
+def own_tree(pair: Any, role: str, side: Any, state: Any) -> Any:
+  """The tree `side`'s own save code writes of `state`: the pair's declared `saves[role]` of it, or the
+  state itself."""
+  from parity.store import own_layout
+
+  save = (getattr(pair, 'saves', None) or {}).get(role)
+  return state if save is None else save(own_layout._created(side, state))
+
+
+def _own_to_native(layout: Layout, side: Any, flat: Mapping[str, Any]) -> dict[str, Any]:
+  """A restored own-layout tree's arrays by the state paths they were saved from, each counter cast
+  back to the state's integer dtype (a save that casts the step to int32, as Linen keeps it)."""
+  import jax.numpy as jnp
+
+  from parity.core import paths
+
+  native = paths.flatten(side.template)
+  by_disk = {leaf.disk: leaf for leaf in layout.leaves}
+  out = {}
+  for disk, value in flat.items():
+    leaf = by_disk.get(disk) or by_disk.get(disk + '/value')
+    if leaf is None:
+      raise ConvertError(f'{disk}: restored, but no leaf of the {layout.role} side\'s own layout')
+    want = native[leaf.native]
+    if value.dtype != want.dtype and _integer_scalar(value.shape, value.dtype):
+      value = value.astype(want.dtype) if hasattr(value, 'astype') else jnp.asarray(value, want.dtype)
+    out[leaf.native] = value
+  return out
 
 
 def _uncommitted(tree: Any) -> Any:
@@ -896,13 +955,17 @@ def convert_checkpoint(
   src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
   if to not in ROLES:
     raise ConvertError(f"--to must be 'linen' or 'nnx', got {to!r}")
-  target_format = target_format or to
+  # Default: the layout the target side's own restore code reads (its declared one, else its stock tree).
+  target_format = target_format or (f'{to}-own' if to in (getattr(pair, 'saves', None) or {}) else to)
   if SIDE_OF_FORMAT.get(target_format) != to:
     raise ConvertError(f'target format {target_format!r} is not the {to} side\'s; its formats:'
                        f' {[f for f, r in SIDE_OF_FORMAT.items() if r == to]}')
   sides = tuple(sides) if sides is not None else pair_sides(pair, mesh)
-  layouts = pair_layouts(sides)
+  layouts = pair_layouts(sides, getattr(pair, 'saves', None))
   if target_format not in layouts:
+    if target_format in OWN_FORMATS:
+      raise ConvertError(f'target format {target_format!r}: pair {pair.name!r} declares no saves[{to!r}]'
+                         ' (the function building the tree the side\'s own save code writes)')
     target_format = to if target_format == 'linen-unboxed' else target_format  # no boxes: one tree
   _check_dst(src, dst)
   source_item = locate(src, 'SRC', step, item, layouts)
@@ -983,9 +1046,11 @@ class CheckpointDiff:
   def summary(self) -> str:
     """One line: what was compared, and the verdict."""
     kinds = ', '.join(f'{n} {k}' for k, n in sorted(self.kinds.items()))
-    skipped = (f'; {len(self.not_compared)} leaves only NNX keeps not compared (the Linen side has none)'
-               if self.not_compared else '')
-    verdict = 'EQUAL (bit for bit)' if self.equal else f'DIFFERENT: {len(self.differences)} leaves ({kinds})'
+    shown = ', '.join(self.not_compared[:3]) + (', ...' if len(self.not_compared) > 3 else '')
+    skipped = (f'; {len(self.not_compared)} leaves one-sided, state only the NNX side keeps, which the Linen'
+               f' side has no place for ({shown}): not compared' if self.not_compared else '')
+    verdict = 'EQUAL (bit for bit)' if self.equal else (
+        f'DIFFERENT: {len(self.differences)} difference{"s" if len(self.differences) != 1 else ""} ({kinds})')
     return (f'A {self.a} ({self.a_format}) vs B {self.b} ({self.b_format}): {self.compared} leaves'
             f' compared{skipped}: {verdict}')
 
@@ -1095,7 +1160,7 @@ def compare_checkpoints(
   TreeMismatchError when a checkpoint is not one.
   """
   sides = tuple(sides) if sides is not None else pair_sides(pair, None)
-  layouts = pair_layouts(sides)
+  layouts = pair_layouts(sides, getattr(pair, 'saves', None))
   items = [locate(path, label, step, item, layouts) for path, label, step in ((a, 'A', step_a), (b, 'B', step_b))]
   (la, _), (lb, _) = [identify(it, layouts, pair.name, exact=False) for it in items]
   same_role = la.role == lb.role
@@ -1125,7 +1190,8 @@ def compare_checkpoints(
              named=False)
   for key in sorted(set(ka) | set(kb)):
     if key.startswith('nnx-only/') and not same_role:
-      not_compared.append(key)
+      leaf, _ = ka.get(key) or kb.get(key)
+      not_compared.append(leaf.disk)
       continue
     left, right = ka.get(key), kb.get(key)
     held = [side is not None and side[1] is not None for side in (left, right)]
@@ -1216,9 +1282,10 @@ def add_pair_options(convert_parser) -> None:
                                    ' otherwise, DST not written)')
   convert_parser.add_argument('--item', default=None, help='with --pair: the train state\'s item of a'
                               ' CheckpointManager step (default: the one that matches the pair)')
-  convert_parser.add_argument('--format', dest='target_format', default=None, choices=FORMATS,
-                              help='with --pair: the tree DST holds (default: linen, or nnx for'
-                                   ' nnx.state((model, optimizer)); nnx-pure: nnx.to_pure_dict of it)')
+  convert_parser.add_argument('--format', dest='target_format', default=None, choices=FORMATS + OWN_FORMATS,
+                              help='with --pair: the tree DST holds (default: the target side\'s own'
+                                   ' layout where the pair declares it, Pair(saves=...), else linen, or nnx'
+                                   ' for nnx.state((model, optimizer)); nnx-pure: nnx.to_pure_dict of it)')
   convert_parser.add_argument('--mesh', default=None, help="with --pair --verify: the steps' mesh (default:"
                               ' one device)')
 
