@@ -277,6 +277,7 @@ def test_compare_takes_a_declared_pair(tmp_path, capsys):
   assert result['bitwise_equal'] and result['same_program']
   assert result['memory_verdict'] == 'equal to the byte'
   assert result['expected_difference'].startswith('declared: BatchNorm_0, BatchNorm_1:')
+  assert result['unchanged_params'] == [] and 'Not proven by values' not in text  # every parameter moved
 
 
 @pytest.mark.exhaustive

@@ -205,6 +205,24 @@ def test_parameters_whose_gradients_stay_zero_are_named_as_not_proven():
       f' or in what they feed, changes no number compared here ({shown})']
 
 
+def test_parity_compare_names_the_parameters_its_steps_leave_as_they_started():
+  """`parity compare` on the same pair: its report (text, Markdown, JSON) carries the same note,
+  where the user reads the run's verdict."""
+  from parity.pairs import adapter
+  from parity.run import report
+
+  pair = _pair('zero_block', zero=True, frozen=True)
+  result = runner.compare_sides(adapter.make_pair_sides(pair, None), lambda step: pair.batch(step, 'train'), 2,
+                                program_diff=False, localize_divergence=False)
+  assert result.bitwise_equal and result.unchanged_params == ZERO_BLOCK, result.unchanged_params
+  note = ('- Not proven by values: 6 parameter(s) that the 2 train step(s) leave bit for bit as they started, on'
+          ' both sides (their gradients zero on every step, or the optimizer leaves them): a bug in what computes'
+          f' them, or in what they feed, changes no number compared here ({", ".join(ZERO_BLOCK)})')
+  rendered = report.Report(result, preset='pair zero_block', scenario='-')
+  assert note in rendered.text().splitlines() and note in rendered.markdown().splitlines()
+  assert result.to_json()['unchanged_params'] == ZERO_BLOCK
+
+
 # --- 6. A refused declaration ----------------------------------------------------------------
 
 

@@ -255,6 +255,8 @@ class Report:
     ]
     if r.flops is not None:
       notes.append(r.flops.summary())
+    if r.not_proven_line() is not None:
+      notes.append(r.not_proven_line())
     if r.decode is not None:
       notes.append(
           'Decode: each side decodes from its trained state, greedy or sampled from one key; best'

@@ -175,6 +175,20 @@ class CompareResult:
   # what the memory verdict compares, and the accounting line.
   nnx_only_memory: dict[str, Any] | None = None
   nnx_only_accounting: str | None = None
+  # Parameters the run's train steps leave bit for bit as they started, on both sides: the numbers
+  # compared prove nothing about what computes them (the battery's train part names them too).
+  unchanged_params: list[str] = dataclasses.field(default_factory=list)
+
+  def not_proven_line(self) -> str | None:
+    """The report's `not proven by values` note, or None where every parameter moved."""
+    if not self.unchanged_params:
+      return None
+    shown = ', '.join(self.unchanged_params[:20]) + (
+        f', ... and {len(self.unchanged_params) - 20} more' if len(self.unchanged_params) > 20 else '')
+    return (f'Not proven by values: {len(self.unchanged_params)} parameter(s) that the'
+            f' {self.steps - self.first_step} train step(s) leave bit for bit as they started, on both sides'
+            ' (their gradients zero on every step, or the optimizer leaves them): a bug in what computes'
+            f' them, or in what they feed, changes no number compared here ({shown})')
 
   @property
   def bitwise_equal(self) -> bool:
@@ -354,6 +368,7 @@ class CompareResult:
         'process_count': self.process_count,
         'first_step': self.first_step,
         'final_state_sha256': self.final_state_sha256,
+        'unchanged_params': self.unchanged_params,
         'num_devices': self.num_devices,
         'device_kind': self.device_kind,
         'platform': self.platform,
@@ -767,6 +782,8 @@ def compare_sides(
     if mesh is not None:  # one array over the whole mesh (every process holds the same key)
       dropout_base = distributed.replicated(dropout_base, mesh)
   runs = {name: SideRun() for name in SIDES}
+  # Each parameter's bits where training starts (a digest per leaf: the start state may be donated).
+  started = _param_digests(sides['linen'].to_checkpoint(states['linen']))
 
   first_batch = sides['linen'].place_batch(batch(0))
   compiled = {}
@@ -817,6 +834,8 @@ def compare_sides(
   if jax.process_count() > 1 or state_digest:  # each process holds only its shards
     finals = [distributed.host_arrays(f) for f in finals]
   diffs = bitwise.compare_trees(*finals, labels=('Linen', 'NNX'))
+  ended = [_param_digests(f) for f in finals]
+  unchanged = sorted(p for p, d in started.items() if ended[0].get(p) == d and ended[1].get(p) == d)
   return CompareResult(
       steps=steps,
       init_side=None if resume_from is not None else init_side,
@@ -844,7 +863,13 @@ def compare_sides(
       decode=decoded,
       nnx_only_memory=nnx_only_memory,
       nnx_only_accounting=nnx_only_line,
+      unchanged_params=unchanged,
   )
+
+
+def _param_digests(flat: Mapping[str, Any]) -> dict[str, str]:
+  """Each parameter's (`params/...`) bit digest, one leaf on the host at a time."""
+  return {p: bitwise.digest(distributed.host_arrays({p: x})) for p, x in flat.items() if p.startswith('params/')}
 
 
 def decode_sides(sides, states, prompt, steps: int, key, temperature: float) -> DecodeRun:
