@@ -35,6 +35,7 @@ _EXPORTS = {
     'Renames': ('parity.pairs.stock_layout', 'Renames'),
     # model-level pairs: the kit writes both sides' create, train, eval, forward and decode
     'model_pair': ('parity.pairs.model_level', 'model_pair'),
+    'per_mesh': ('parity.pairs.model_level', 'per_mesh'),
     'linen_side': ('parity.pairs.model_level', 'linen_side'),
     'nnx_side': ('parity.pairs.model_level', 'nnx_side'),
     # how a model switches between train and eval mode: a keyword at the call, or an attribute

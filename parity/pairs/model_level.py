@@ -378,6 +378,27 @@ def nnx_side(model: Callable[..., nnx.Module] | nnx.Module, *, inputs: Callable[
   return code.side(mesh, **options)
 
 
+@dataclasses.dataclass(frozen=True)
+class PerMesh:
+  """A model built for each mesh (`parity.per_mesh`): `make(mesh)` gives what `model_pair` takes as
+  `linen=` or `nnx=` for that mesh (None: one device)."""
+
+  make: Callable[[jax.sharding.Mesh | None], Any]
+
+  def __post_init__(self):
+    # A module is callable too, but is the model itself, not what builds it.
+    if not callable(self.make) or isinstance(self.make, (nn.Module, nnx.Module)):
+      raise TypeError(f'parity.per_mesh takes a function of the mesh that builds the model, got'
+                      f' {type(self.make).__name__} {self.make!r}')
+
+
+def per_mesh(make: Callable[[jax.sharding.Mesh | None], Any]) -> PerMesh:
+  """A model whose constructor needs the mesh (`Transformer(config, mesh)`): `model_pair(linen=
+  parity.per_mesh(lambda mesh: Transformer(config, mesh)), ...)`; each mesh's sides get the model
+  made for it, and one device gets `make(None)`."""
+  return PerMesh(make)
+
+
 def model_pair(name: str, *, linen: nn.Module, nnx: Callable[..., nnx.Module] | nnx.Module,
                inputs: Callable[[Any], Any], loss: Callable[[Any, Any], Any],
                optimizer: optax.GradientTransformation, batch: Callable[[int, str], Any],
@@ -391,11 +412,19 @@ def model_pair(name: str, *, linen: nn.Module, nnx: Callable[..., nnx.Module] | 
   linen_call, nnx_call = cache_calls if cache_calls is not None else (None, None)
   common = dict(inputs=inputs, loss=loss, optimizer=optimizer, mode=mode, train_kwargs=train_kwargs,
                 eval_kwargs=eval_kwargs, dropout=dropout, decode_inputs=decode_inputs)
-  linen_code = linen_model(linen, batch=batch, cache_call=linen_call, **common)
-  nnx_code = nnx_model(nnx, cache_call=nnx_call, **common)
   side_rules = {} if rules is None else {'rules': tuple(tuple(r) for r in rules)}
+  # One side's code for every mesh, or, for a model made per mesh, one per mesh (each made once).
+  codes: dict[tuple[str, Any], Any] = {}
+
+  def code(role, model, build, mesh):
+    key = (role, mesh if isinstance(model, PerMesh) else None)
+    if key not in codes:
+      codes[key] = build(model.make(mesh) if isinstance(model, PerMesh) else model)
+    return codes[key]
 
   def make_sides(mesh):
+    linen_code = code('linen', linen, lambda m: linen_model(m, batch=batch, cache_call=linen_call, **common), mesh)
+    nnx_code = code('nnx', nnx, lambda m: nnx_model(m, cache_call=nnx_call, **common), mesh)
     return (linen_code.side(mesh, **side_rules, **(linen_options or {})),
             nnx_code.side(mesh, **side_rules, **(nnx_options or {})))
 
