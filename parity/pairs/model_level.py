@@ -408,7 +408,11 @@ def model_pair(name: str, *, linen: nn.Module, nnx: Callable[..., nnx.Module] | 
                cache_calls: tuple[Callable[..., Any], Callable[..., Any]] | None = None,
                rules: Sequence[tuple[str, Any]] | None = None, linen_options: Mapping[str, Any] | None = None,
                nnx_options: Mapping[str, Any] | None = None, **pair_options) -> adapter.Pair:
-  """A `Pair` of a Linen and an NNX model, both sides' code written by the kit (docs/first-pair.md)."""
+  """A `Pair` of a Linen and an NNX model, both sides' code written by the kit (docs/first-pair.md).
+
+  `linen=`/`nnx=` may be `parity.per_mesh(make)` for a model built with the mesh. Every other
+  keyword goes to `parity.Pair` (`steps`, `meshes`, `known_differences`, `saves` for a side whose
+  own save code writes a tree of its own: docs/checkpoints.md)."""
   linen_call, nnx_call = cache_calls if cache_calls is not None else (None, None)
   common = dict(inputs=inputs, loss=loss, optimizer=optimizer, mode=mode, train_kwargs=train_kwargs,
                 eval_kwargs=eval_kwargs, dropout=dropout, decode_inputs=decode_inputs)
