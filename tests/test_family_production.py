@@ -55,11 +55,11 @@ from parity.battery import checks  # noqa: E402
 @pytest.mark.exhaustive
 @pytest.mark.xdist_group('parity-production')
 def test_streams_carried_through_the_scan_are_accounted_with_what_they_add():
-  """Dropout off, the NNX model carrying its dropout streams through the scan anyway (the 12
-  stream leaves in and out of the forward loop: each dropout's forked nnx.Rngs holds three
-  streams, a key and a count each): the memory part compares NNX's step without the streams,
-  as the program part does, and passes; its accounting line says what they add to the step
-  that carries them, 192 B of temporaries among it (24 more entries of 8 B in the forward
+  """Dropout off, the NNX model carrying its dropout streams through the scan anyway (the 18
+  stream leaves in and out of the forward loop: each of the three dropouts' forked nnx.Rngs
+  holds three streams, a key and a count each): the memory part compares NNX's step without the
+  streams, as the program part does, and passes; its accounting line says what they add to the
+  step that carries them, 288 B of temporaries among it (36 more entries of 8 B in the forward
   while loop's tuple, read in XLA's buffer assignment)."""
   cfg = dataclasses.replace(CFG, dropout_rate=0.0)
 
@@ -76,7 +76,7 @@ def test_streams_carried_through_the_scan_are_accounted_with_what_they_add():
                      parts=('memory', 'program'))
   (line,) = checks.check_memory(pair)
   assert "NNX's step compared without it, as the program part compares it" in line, line
-  assert 'temp_bytes +192 B' in line, line
+  assert 'temp_bytes +288 B' in line, line
   assert checks.check_program(pair) == []
 
 
@@ -90,7 +90,7 @@ def test_the_nnx_dropouts_keep_whole_forked_rngs_of_several_streams_in_the_codeb
 
   with compat.eager_sharding_off():
     model = nnx.eval_shape(lambda: nnx_prod.create_train_state(CFG, 0)[0])
-  for dropout in (model.layers.attention_dropout, model.layers.mlp_dropout):
+  for dropout in (model.layers.attention_dropout, model.layers.mlp.dropout, model.layers.mlp_dropout):
     assert type(dropout) is nnx_prod.Dropout and issubclass(nnx_prod.Dropout, nnx.Dropout)
     assert isinstance(dropout.rngs, nnx.Rngs), type(dropout.rngs)
     assert sorted(name for name, _ in dropout.rngs.items()) == ['dropout', 'noise', 'params']
@@ -145,3 +145,19 @@ def test_a_dropout_drawing_a_key_it_derived_itself_fails_naming_the_dropout_and_
   assert 'forward pass: first differs at module layers/0/mlp_dropout (' in message, message
   assert ('layers/mlp_dropout keeps an RNG stream (layers/mlp_dropout/rngs) but was called with a key'
           ' array at the call (_OwnKey got a typed key, key<fry>[])') in message, message
+
+
+@pytest.mark.xdist_group('parity-production/planted')
+def test_the_mlps_own_dropout_deriving_its_key_fails_naming_the_dropout_behind_linens_wrapper():
+  """The MLP's dropout (the one the Linen side runs behind its ToLinen copy, drawing from streams
+  the wrapper makes of Linen's key) planted on the NNX side to draw a key it derives itself: the
+  grads part fails at that dropout, layer 0's, so the kit does reach it and no key of its making
+  hides a bug there."""
+  def create(seed):
+    model, optimizer = nnx_prod.create_train_state(CFG, seed)
+    model.layers.mlp.dropout.__class__ = _OwnKey
+    return model, optimizer
+
+  message = _grads_failure('production_mlp_own_key', create=create)
+  assert 'forward pass: first differs at module layers/0/mlp/dropout (' in message, message
+  assert 'layers/mlp/dropout keeps an RNG stream (layers/mlp/dropout/rngs) but was called with a key' in message

@@ -534,7 +534,8 @@ def test_the_production_pair_converts_both_ways_on_its_mesh_verified(tmp_path):
   to_linen = parity.convert_checkpoint(pair, tmp_path / 'nnx', tmp_path / 'to_linen', 'linen', verify=True, mesh=mesh)
   assert to_nnx.verified and to_linen.verified, to_nnx.differences + to_linen.differences
   # Each dropout keeps a fork of the model's whole nnx.Rngs: its dropout, noise and params streams.
-  streams = [f'0/layers/{dropout}/rngs/{stream}/{leaf}/value' for dropout in ('attention_dropout', 'mlp_dropout')
+  streams = [f'0/layers/{dropout}/rngs/{stream}/{leaf}/value'
+             for dropout in ('attention_dropout', 'mlp/dropout', 'mlp_dropout')
              for stream in ('dropout', 'noise', 'params') for leaf in ('count', 'key')]
   # NNX's stock tree read; written, the tree that codebase's own save writes (Pair.saves: nnx_aux/...).
   assert to_linen.dropped == streams and to_nnx.target_format == 'nnx-own'

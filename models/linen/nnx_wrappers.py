@@ -7,14 +7,17 @@ family's Linen side (models/linen/prod.py): the kit must see through it by
 what it does, not by its class. At init it builds the NNX module and keeps
 its parameters as Linen `params` under the wrapper's scope, nested as the
 module's attributes are (`mlp/wi_0/kernel`), each boxed with its logical
-axes; at apply it rebuilds the module from those variables and calls it.
+axes. At apply it builds the module afresh, as such wrappers do, from an
+`nnx.Rngs` of Linen's own keys (`make_rng` of each RNG collection the apply
+has, `dropout` in training, and a `default` stream for its initialisers,
+whose values are replaced), puts Linen's parameters in it and calls it: a
+dropout inside draws from streams made of Linen's key.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
-import jax
 from flax import nnx
 from flax.core import FrozenDict
 
@@ -56,12 +59,10 @@ class ToLinen(nn.Module):
       flat = {path: _boxed(v) for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
       for name, value in _nest(flat).items():
         self.put_variable('params', name, value)
-    # jax.eval_shape, not nnx.eval_shape: the latter places annotated variables on the active mesh.
-    graphdef, abstract = jax.eval_shape(lambda: nnx.split(self._build(nnx.Rngs(0))))
-    params = nn.meta.unbox(self.variables.get('params', {}))
-    state = jax.tree.map(lambda _, value: value, nnx.to_pure_dict(abstract), _plain(params))
-    nnx.replace_by_pure_dict(abstract, state)
-    module = nnx.merge(graphdef, abstract)
+    module = self._build(nnx.Rngs(**{name: self.make_rng(name) for name in self.scope.rngs}, default=0))
+    params = nnx.state(module, nnx.Param)
+    nnx.replace_by_pure_dict(params, _plain(nn.meta.unbox(self.variables.get('params', {}))))
+    nnx.update(module, params)
     return module(*args, **kwargs)
 
 

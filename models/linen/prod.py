@@ -1,16 +1,17 @@
 """A llama-ish decoder written the way production Linen code is: the fifth family.
 
 Mirrors models/nnx/prod.py class for class: `RMSNorm`, rotary causal
-`Attention` and a SwiGLU `Mlp` in pre-norm `Block`s with dropout; the blocks
+`Attention` and a SwiGLU MLP (the NNX side's own) in pre-norm `Block`s with dropout; the blocks
 stacked by `nn.scan` over a rematerialised block (`nn.scan(nn.remat(Block))`
 under the config's remat policy, parameters stacked on axis 0 under the
 logical name 'layers', the dropout keys split per layer, drawn with
 `make_rng`); every parameter named with logical axes
 (`nn.with_logical_partitioning`), activations constrained by logical names
 (`nn.with_logical_constraint`), all resolved by PROD_RULES. The MLP is
-already migrated, as in a half-migrated codebase: an NNX module behind the
-project's own copy of a ToLinen wrapper (models/linen/nnx_wrappers.py), not
-flax's. Modules are named explicitly, as the NNX attributes are, so both
+already migrated, as in a half-migrated codebase: the NNX side's own `Mlp`
+(models/nnx/prod.py), its dropout inside, behind the project's own copy of a
+ToLinen wrapper (models/linen/nnx_wrappers.py), not flax's, which makes its
+streams of Linen's `make_rng` key at every apply. Modules are named explicitly, as the NNX attributes are, so both
 sides flatten in one order. Trained with the stock `TrainState`: adamw under
 a warmup schedule, gradients clipped by their global norm.
 """
@@ -20,12 +21,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from flax.training import train_state
 
 import parity
 from models.families import PROD_ACTIVATION_AXES, PROD_PARAM_AXES, ProdConfig
 from models.linen import nnx_wrappers
+from models.nnx import prod as nnx_prod
 
 
 # How each scanned layer is rematerialised (ProdConfig.remat_policy); 'full' saves nothing.
@@ -87,24 +88,6 @@ class Attention(nn.Module):
                     kernel_init=_init(nn.initializers.lecun_normal(), 'out'))(y)
 
 
-class Mlp(nnx.Module):
-  """The SwiGLU MLP, already migrated: an NNX module the Linen block runs through the
-  project's own wrapper copy (models/linen/nnx_wrappers.py), as half-migrated codebases do."""
-
-  def __init__(self, cfg: ProdConfig, *, rngs: nnx.Rngs):
-    def dense(features_in, features_out, axes):
-      init = nnx.with_partitioning(nnx.initializers.lecun_normal(), PROD_PARAM_AXES[axes], eager_sharding=False)
-      return nnx.Linear(features_in, features_out, use_bias=False, kernel_init=init, rngs=rngs)
-
-    self.wi_0 = dense(cfg.emb_dim, cfg.mlp_dim, 'mlp_in')
-    self.wi_1 = dense(cfg.emb_dim, cfg.mlp_dim, 'mlp_in')
-    self.wo = dense(cfg.mlp_dim, cfg.emb_dim, 'mlp_out')
-
-  def __call__(self, x):
-    hidden = constrain(nnx.silu(self.wi_0(x)) * self.wi_1(x), 'mlp')
-    return self.wo(hidden)
-
-
 class Block(nn.Module):
   """One pre-norm decoder layer; (x, None) as nn.scan takes a body."""
 
@@ -117,7 +100,8 @@ class Block(nn.Module):
     y = Attention(cfg, name='attention')(RMSNorm(cfg.norm_epsilon, name='attention_norm')(x))
     x = x + nn.Dropout(cfg.dropout_rate, name='attention_dropout')(y, deterministic=self.deterministic)
     x = constrain(x, 'hidden')
-    y = nnx_wrappers.ToLinen(Mlp, (cfg,), name='mlp')(RMSNorm(cfg.norm_epsilon, name='mlp_norm')(x))
+    y = nnx_wrappers.ToLinen(nnx_prod.Mlp, (cfg,), name='mlp')(RMSNorm(cfg.norm_epsilon, name='mlp_norm')(x),
+                                                               deterministic=self.deterministic)
     x = x + nn.Dropout(cfg.dropout_rate, name='mlp_dropout')(y, deterministic=self.deterministic)
     return constrain(x, 'hidden'), None
 

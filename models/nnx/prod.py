@@ -99,18 +99,6 @@ class Attention(nnx.Module):
     return self.out(y)
 
 
-class Mlp(nnx.Module):
-
-  def __init__(self, cfg: ProdConfig, *, rngs: nnx.Rngs):
-    self.wi_0 = _dense(cfg.emb_dim, cfg.mlp_dim, 'mlp_in', rngs)
-    self.wi_1 = _dense(cfg.emb_dim, cfg.mlp_dim, 'mlp_in', rngs)
-    self.wo = _dense(cfg.mlp_dim, cfg.emb_dim, 'mlp_out', rngs)
-
-  def __call__(self, x):
-    hidden = constrain(nnx.silu(self.wi_0(x)) * self.wi_1(x), 'mlp')
-    return self.wo(hidden)
-
-
 class Dropout(nnx.Dropout):
   """The codebase's own dropout: it keeps a fork of the whole `nnx.Rngs` it is given (every
   stream), where flax's keeps a fork of the one stream it draws, and draws as flax's does
@@ -121,6 +109,22 @@ class Dropout(nnx.Dropout):
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f'Dropout: rngs must be an nnx.Rngs, got {type(rngs).__name__}')
     self.rngs = rngs.fork()
+
+
+class Mlp(nnx.Module):
+  """The SwiGLU MLP, dropout on its hidden activations. The Linen side runs this very class behind
+  the project's own ToLinen copy (models/linen/nnx_wrappers.py), as a half-migrated codebase does:
+  there its dropout draws from streams the wrapper makes of Linen's key."""
+
+  def __init__(self, cfg: ProdConfig, *, rngs: nnx.Rngs):
+    self.wi_0 = _dense(cfg.emb_dim, cfg.mlp_dim, 'mlp_in', rngs)
+    self.wi_1 = _dense(cfg.emb_dim, cfg.mlp_dim, 'mlp_in', rngs)
+    self.dropout = Dropout(cfg.dropout_rate, rngs=rngs)
+    self.wo = _dense(cfg.mlp_dim, cfg.emb_dim, 'mlp_out', rngs)
+
+  def __call__(self, x, deterministic: bool = True):
+    hidden = constrain(nnx.silu(self.wi_0(x)) * self.wi_1(x), 'mlp')
+    return self.wo(self.dropout(hidden, deterministic=deterministic))
 
 
 class Block(nnx.Module):
@@ -137,7 +141,7 @@ class Block(nnx.Module):
   def __call__(self, x, deterministic: bool = True):
     y = self.attention(self.attention_norm(x))
     x = constrain(x + self.attention_dropout(y, deterministic=deterministic), 'hidden')
-    y = self.mlp(self.mlp_norm(x))
+    y = self.mlp(self.mlp_norm(x), deterministic=deterministic)
     return constrain(x + self.mlp_dropout(y, deterministic=deterministic), 'hidden')
 
 

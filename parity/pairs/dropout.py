@@ -68,7 +68,8 @@ from parity.compare import scopes
 SCHEMES = ('nnx', 'linen')
 
 
-def linen_draws(traced_loss: Callable[..., Any], *args: Any) -> dict[str, tuple[int, ...]]:
+def linen_draws(traced_loss: Callable[..., Any], *args: Any,
+                wrapped: dict[str, list[tuple[int, tuple[int, ...]]]] | None = None) -> dict[str, tuple[int, ...]]:
   """The counts Linen's `make_rng('dropout')` draws with, by scope path, in `traced_loss(*args)` (one
   abstract trace of the Linen side's train-mode loss).
 
@@ -85,32 +86,101 @@ def linen_draws(traced_loss: Callable[..., Any], *args: Any) -> dict[str, tuple[
 
   original = core_scope.Scope.make_rng
   drawn: dict[str, list[int]] = collections.defaultdict(list)
+  lineage = _Lineage()
 
   def make_rng(self, name: str = 'params'):
     key = original(self, name)
     if name == 'dropout' and self.has_rng('dropout') and not checking:
-      drawn['/'.join(self.path)].append(self.rng_counters[name])
+      path = '/'.join(self.path)
+      drawn[path].append(self.rng_counters[name])
+      lineage.made(key, path, self.rng_counters[name])
     return key
 
-  with compat.flax_scan_checks() as checking:
+  with compat.flax_scan_checks() as checking, lineage.tracing():
     core_scope.Scope.make_rng = make_rng
     try:
       jax.eval_shape(traced_loss, *args)
     finally:
       core_scope.Scope.make_rng = original
+  if wrapped is not None:
+    wrapped.update(lineage.dropouts)
   return {path: tuple(counts) for path, counts in drawn.items()}
+
+
+class _Lineage:
+  """Where the keys of NNX dropouts inside a Linen apply come from (an NNX module behind a ToLinen
+  wrapper, the project's own copy or flax's): a key Linen's make_rng('dropout') gave at a scope
+  path, made an `nnx.Rngs` stream by the wrapper, then folded by the streams' draws (a fork at
+  construction draws once, a dropout's call once more). Followed by behaviour, through the keys
+  themselves: every key made by make_rng, every stream made of a followed key, every key a followed
+  stream draws. `dropouts`: by the make_rng scope path, each NNX dropout's draw in order, as (the
+  make_rng count, the counts folded in after it)."""
+
+  def __init__(self):
+    self.keys: dict[int, tuple[str, int, tuple[int, ...]]] = {}
+    self.streams: dict[int, list] = {}  # id(stream) -> [(path, count, folds), draws so far]
+    self.dropouts: dict[str, list[tuple[int, tuple[int, ...]]]] = collections.defaultdict(list)
+    self._alive: list = []  # every followed object, kept so that its id stays its own
+
+  def made(self, key, path: str, count: int) -> None:
+    self.keys[id(key)] = (path, count, ())
+    self._alive.append(key)
+
+  @contextlib.contextmanager
+  def tracing(self) -> Iterator[None]:
+    stream_init, stream_call, dropout_call = nnx.RngStream.__init__, nnx.RngStream.__call__, nnx.Dropout.__call__
+    lineage = self
+
+    def init(self, key, *args, **kwargs):
+      origin = lineage.keys.get(id(key))
+      stream_init(self, key, *args, **kwargs)
+      if origin is not None:
+        lineage.streams[id(self)] = [origin, 0]
+        lineage._alive.append(self)
+
+    def draw(self):
+      key = stream_call(self)
+      followed = lineage.streams.get(id(self))
+      if followed is not None:
+        (path, count, folds), n = followed
+        followed[1] += 1
+        lineage.keys[id(key)] = (path, count, folds + (n,))
+        lineage._alive.append(key)
+      return key
+
+    def dropout(self, inputs, *, deterministic=None, rngs=None):
+      off = deterministic if deterministic is not None else self.deterministic
+      source = rngs if rngs is not None else getattr(self, 'rngs', None)
+      if isinstance(source, nnx.Rngs):
+        source = getattr(source, self.rng_collection, None)
+      followed = lineage.streams.get(id(source)) if isinstance(source, nnx.RngStream) else None
+      if followed is not None and not off and self.rate not in (0.0, 1.0):
+        (path, count, folds), n = followed
+        lineage.dropouts[path].append((count, folds + (n,)))
+      return dropout_call(self, inputs, deterministic=deterministic, rngs=rngs)
+
+    nnx.RngStream.__init__, nnx.RngStream.__call__, nnx.Dropout.__call__ = init, draw, dropout
+    try:
+      yield
+    finally:
+      nnx.RngStream.__init__, nnx.RngStream.__call__, nnx.Dropout.__call__ = stream_init, stream_call, dropout_call
 
 
 @contextlib.contextmanager
 def linen_dropout_keys(call_keys: Mapping[str, str] = {},
-                       draws: Mapping[str, tuple[int, ...]] = {}) -> Iterator[collections.Counter]:
+                       draws: Mapping[str, tuple[int, ...]] = {},
+                       wrapped: Mapping[str, tuple[tuple[int, tuple[int, ...]], ...]] = {},
+                       ) -> Iterator[collections.Counter]:
   """While active, every `nnx.Dropout` call given an Rngs or stream at the call draws Linen's key.
 
   The module's Linen path is its tag (`scopes.tag_paths` with the pair's
   renames, set by the kit before tracing); `call_keys` maps an NNX call
   (`path#n`) to the Linen call it is; `draws` gives the counts Linen draws
   with at a path (`linen_draws`; a path not in it: 1, 2, ... as a plain
-  module draws). Yields a counter of the calls substituted, by Linen call.
+  module draws); `wrapped`, the draws of NNX dropouts behind a Linen ToLinen wrapper, by the
+  wrapper's scope path (`linen_draws`, `_Lineage`): an NNX call whose Linen path lies under one
+  draws, in order, the wrapper's make_rng key folded as the Linen side's streams folded it.
+  Yields a counter of the calls substituted, by Linen call.
   """
   original = nnx.Dropout.__call__
   original_attention = nnx.MultiHeadAttention.__call__
@@ -157,6 +227,16 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
     linen_counts[forward, linen_path] += 1
     substituted[linen_call] += 1
     n = linen_counts[forward, linen_path]
+    wrapper = _wrapper_of(linen_path, wrapped)
+    if wrapper is not None:  # behind a ToLinen on the Linen side: the wrapper's key, folded as its streams did
+      linen_counts[forward, '#wrapped', wrapper] += 1
+      drawn = wrapped[wrapper]
+      m = linen_counts[forward, '#wrapped', wrapper]
+      count, folds = drawn[min(m, len(drawn)) - 1]
+      key = compat.linen_make_rng(root, wrapper.split('/') if wrapper else [], count)
+      for fold in folds:
+        key = jax.random.fold_in(key, fold)
+      return key
     counts = draws.get(linen_path, ())
     count = counts[n - 1] if n <= len(counts) else n
     return compat.linen_make_rng(root, linen_path.split('/') if linen_path else [], count)
@@ -198,6 +278,12 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
     nnx.Dropout.__call__ = original
     nnx.MultiHeadAttention.__call__ = original_attention
     nnx.RNN.__call__ = original_rnn
+
+
+def _wrapper_of(linen_path: str, wrapped: Mapping[str, Any]) -> str | None:
+  """The deepest wrapper scope path of `wrapped` that `linen_path` lies under, or None."""
+  under = [p for p in wrapped if linen_path.startswith(p + '/')]
+  return max(under, key=len) if under else None
 
 
 # The dropouts that drew with a key array given at the call (left as drawn), by (class, Linen path):

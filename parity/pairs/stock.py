@@ -433,6 +433,8 @@ class StockNnx(_Stock):
   # (Linen scope path, the counts its make_rng('dropout') draws with): set from the Linen side
   # with dropout_keys='linen' (parity/pairs/dropout.py, `linen_draws`).
   linen_draws: tuple[tuple[str, tuple[int, ...]], ...] = ()
+  # (Linen wrapper scope path, each NNX dropout behind it: (make_rng count, folds)), the same way.
+  linen_wrapped: tuple[tuple[str, tuple[tuple[int, tuple[int, ...]], ...]], ...] = ()
   # Stand-ins the kit applies in place to every model `create` makes (parity/pairs/substitutes.py
   # IN_PLACE: parity.linen_attention on each stock nnx.MultiHeadAttention): set from the pair's
   # declared differences that name one as their `substitute=` (`adopt_substitutes`).
@@ -450,7 +452,7 @@ class StockNnx(_Stock):
       return
     if model is not None:
       scopes.tag_paths(model, self.renames.to_linen)
-    with dropout.linen_dropout_keys(dict(self.call_keys), dict(self.linen_draws)):
+    with dropout.linen_dropout_keys(dict(self.call_keys), dict(self.linen_draws), dict(self.linen_wrapped)):
       yield
 
   def adopt_correspondence(self, found: Any) -> None:
@@ -470,8 +472,11 @@ class StockNnx(_Stock):
     if self.dropout_keys != 'linen' or not isinstance(linen_side, StockLinen):
       return
     state = linen_side.template
-    draws = dropout.linen_draws(lambda state: linen_side.loss(state.params, state, batch, key), state)
+    wrapped: dict = {}
+    draws = dropout.linen_draws(lambda state: linen_side.loss(state.params, state, batch, key), state,
+                                wrapped=wrapped)
     object.__setattr__(self, 'linen_draws', tuple(sorted(draws.items())))
+    object.__setattr__(self, 'linen_wrapped', tuple(sorted((p, tuple(d)) for p, d in wrapped.items())))
 
   def adopt_substitutes(self, stand_ins: tuple[Callable[..., Any], ...]) -> None:
     """Takes in place the stand-ins to apply to every model `create` makes, before first use
