@@ -1,6 +1,6 @@
 """The reference decoder declared through the plugin, one pair per scenario.
 
-The plugin's battery (parity/battery/checks.py) runs on the decoder's sides
+The plugin's battery (parity/battery/checks/) runs on the decoder's sides
 (bridge/sides.py, which implement the adapter's `Side`): structure, logical
 specs, loss and gradients, training from each side's init, eval, Orbax round
 trips in four directions and resume across sides; the localizer on a scanned

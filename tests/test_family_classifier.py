@@ -173,7 +173,7 @@ def test_a_mesh_of_another_device_count_says_how_to_get_the_devices(monkeypatch)
   assert 'default backend' not in str(e.value)
   # On an accelerator host (seen on a one-GPU host: the plugin's data=8 against 1 device),
   # the CPU's flag alone would not help: it says how to run on the CPU, or on those devices.
-  monkeypatch.setattr(battery.jax, 'default_backend', lambda: 'gpu')
+  monkeypatch.setattr(battery.shared.jax, 'default_backend', lambda: 'gpu')
   with pytest.raises(ValueError, match=r"default backend here is gpu: JAX_PLATFORMS=cpu runs the"
                                        r" battery on the CPU devices, or --parity-mesh"):
     battery._Runs(classifier).sides('data=4')

@@ -4,7 +4,7 @@ The two frameworks derive init keys differently, so values differ; structure
 (paths, shapes, dtypes, logical specs) must be identical. That every
 parameter's distribution agrees (within 6 standard errors), and that what is
 not random is bitwise, is the plugin's `test_init` part, run on every
-scenario's pair (tests/test_decoder_pairs.py, parity/battery/checks.py `check_init`).
+scenario's pair (tests/test_decoder_pairs.py, parity/battery/checks/init.py `check_init`).
 Here: the values really are each side's own, and the decoder's intended scales.
 """
 import math

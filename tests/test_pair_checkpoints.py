@@ -6,7 +6,7 @@ The tiny pair (tests/checkpoint_pairs.py) carries everything a conversion must: 
 names against NNX attributes, `batch_stats`, an optax chain with empty states, Adam's moments,
 the step's two dtypes and an RNG stream only NNX keeps. The family pairs' conversions (their own
 create and train functions, the production pair on its mesh) are the exhaustive tier's; every
-pair's battery converts its own checkpoints in `test_convert` (parity/battery/checks.py).
+pair's battery converts its own checkpoints in `test_convert` (parity/battery/checks/convert.py).
 """
 from __future__ import annotations
 

@@ -138,7 +138,7 @@ def test_a_suggested_declaration_takes_the_memory_where_only_temporaries_moved(m
   a pair may declare its steps' program and memory once only (the user's finding: the program
   part offered ('program',) alone, and the memory part pointed back at it)."""
   platform = jax.devices()[0].platform
-  monkeypatch.setattr(checks, '_temporaries_alone_moved', lambda runs: (platform, 640))
+  monkeypatch.setattr(checks.memory, '_temporaries_alone_moved', lambda runs: (platform, 640))
   message = _failure(checks.check_program, _pair('norm', norm=True))
   assert (f'\nif that is the only difference, declare it, with the temporaries the memory part measured this'
           f" lowering to move (640 B on {platform}, the state's bytes equal):\n  parity.KnownDifference("

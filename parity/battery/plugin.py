@@ -7,7 +7,7 @@ package is installed. Declare a pair at module level of a test file:
     classifier = parity.Pair('classifier', make_sides, batch)
 
 and the module gets a test class `classifier` with one test per part of the
-battery (parity/battery/checks.py): structure, logical specs, each side's own
+battery (parity/battery/checks/, a module per part): structure, logical specs, each side's own
 initialisers (in distribution), loss and gradients,
 training from each side's init, eval, checkpoints in four directions,
 resume across sides, sharded training per mesh, memory and program parity,

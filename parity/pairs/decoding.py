@@ -1,6 +1,6 @@
 """Decoding with a KV cache: the token loop, and decode functions for flax's cache convention.
 
-The decode part (parity/battery/checks.py `check_decode`) asks each side for
+The decode part (parity/battery/checks/decode.py `check_decode`) asks each side for
 `steps` tokens after a prompt, the logits each was drawn from and the final
 cache (`Side.decode`; StockLinen/StockNnx `decode_fn(state or model, prompt,
 steps, key, temperature) -> (tokens, logits, {cache path: array})`). What

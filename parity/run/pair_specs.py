@@ -1,6 +1,6 @@
 """`parity specs --pair FILE.py:NAME`: a declared pair's parameter (or activation-constraint) tables.
 
-Both sides' tables as the battery's specs part reads them (parity/battery/checks.py):
+Both sides' tables as the battery's specs part reads them (parity/battery/checks/specs.py):
 the parameters' shapes, dtypes and annotations from each side (`abstract_checkpoint`,
 `param_specs`: eval_shape, nothing allocated), placed on a mesh of the spec's sizes by
 the pair's rules; or every activation constraint of both train steps
