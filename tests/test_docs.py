@@ -168,12 +168,18 @@ def test_the_first_pair_page_shows_the_tutorials_pair_and_the_language_models_gl
   shown = page.split('<!-- first-pair -->', 1)[1].split('```python\n', 1)[1].split('```', 1)[0].strip()
   assert shown == pair
   glue = _block(REPO / 'tests' / 'test_family_lm_model_level.py', '# --- glue ---', '# --- end of glue ---')
-  assert glue in page
+  assert glue in (REPO / 'docs' / 'model-level.md').read_text()
 
 
-def test_the_first_pair_page_shows_the_side_template_as_it_is():
-  """docs/first-pair.md copies tests/test_side_template.py's template verbatim: the suite runs its battery."""
-  page = (REPO / 'docs' / 'first-pair.md').read_text()
+def test_the_first_pair_page_is_a_tutorial_of_at_most_200_lines():
+  """The tutorial stays short: the reference and the how-tos live on their own pages."""
+  lines = (REPO / 'docs' / 'first-pair.md').read_text().count('\n')
+  assert lines <= 200, f'docs/first-pair.md is {lines} lines'
+
+
+def test_the_own_steps_page_shows_the_side_template_as_it_is():
+  """docs/howto-own-steps.md copies tests/test_side_template.py's template verbatim: the suite runs its battery."""
+  page = (REPO / 'docs' / 'howto-own-steps.md').read_text()
   template = _block(REPO / 'tests' / 'test_side_template.py', '# --- side template ---', '# --- end of side template ---')
   shown = page.split('<!-- side-template -->', 1)[1].split('```python\n', 1)[1].split('```', 1)[0].strip()
   assert shown == template

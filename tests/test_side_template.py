@@ -1,4 +1,4 @@
-"""The side template (docs/first-pair.md, "Steps of your own: the side template"): a repository with
+"""The side template (docs/howto-own-steps.md): a repository with
 models and no train step writes both sides' steps itself, as `parity.model_pair` writes them, for
 `parity.StockLinen` and `parity.StockNnx`. The page copies the block between the markers verbatim
 (tests/test_docs.py checks it), and the plugin generates the battery for it here.

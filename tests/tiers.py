@@ -135,7 +135,7 @@ EXHAUSTIVE_PARTS = {
        ' and training; the page shows its whole battery passing'
        for part in ('specs', 'init', 'eval', 'checkpoints', 'resume', 'convert', 'mesh', 'memory', 'program',
                     'localize')},
-    **{('mlp_own_steps', part): "the side template's pair (docs/first-pair.md, tests/test_side_template.py): the"
+    **{('mlp_own_steps', part): "the side template's pair (docs/howto-own-steps.md, tests/test_side_template.py): the"
        ' core tier keeps what the template writes itself, its loss and steps (gradients, training, eval, memory'
        " and program); its other parts move its state through the stock sides' code, as every stock pair's do"
        for part in ('specs', 'init', 'checkpoints', 'resume', 'convert', 'mesh', 'localize')},

@@ -8,7 +8,6 @@ import numpy as np
 
 from parity.battery.checks.shared import RefusedDeclaration, _battery_frames_hidden, _runs, compare
 from parity.core import bitwise
-from parity.core import paths
 from parity.core import rng
 from parity.pairs import adapter
 

@@ -1,7 +1,6 @@
 """The grads part: the loss and every gradient at the common start, bit for bit."""
 from __future__ import annotations
 
-from flax import nnx
 import numpy as np
 
 from parity.battery.checks.shared import _battery_frames_hidden, _runs, _unproven_line, _with_localization, compare

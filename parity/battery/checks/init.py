@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import jax
-from flax import nnx
 import numpy as np
 
 from parity.battery.checks.shared import _battery_frames_hidden, _runs

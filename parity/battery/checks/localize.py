@@ -4,12 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from flax import nnx
-
-from parity.battery.checks.shared import _battery_frames_hidden, _runs, compare
+from parity.battery.checks.shared import _battery_frames_hidden, _runs
 from parity.compare import localize
-from parity.core import bitwise
-from parity.core import paths
 from parity.pairs import adapter
 
 

@@ -3,13 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-import flax.linen as nn
 import jax
-from flax import nnx
 
 from parity.battery.checks.shared import _Runs, _battery_frames_hidden, _runs
 from parity.compare import programs
-from parity.core import paths
 from parity.pairs import adapter
 from parity.run import runner
 

@@ -5,7 +5,6 @@ from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
-from flax import nnx
 import numpy as np
 
 from parity.battery.checks.shared import RefusedDeclaration, _Runs, _battery_frames_hidden, _rules, _runs, compare, first_divergent_step, per_step

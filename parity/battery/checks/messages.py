@@ -3,10 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import flax.linen as nn
-import jax
-from flax import nnx
-
 
 def _is_dropout(module: str) -> bool:
   """Whether a module's path names a dropout (`Dropout_0`, `attention_dropout`)."""

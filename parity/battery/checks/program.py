@@ -7,10 +7,9 @@ import flax.linen as nn
 from flax import nnx
 
 import parity.battery.checks.memory as memory_part
-from parity.battery.checks.shared import _Runs, _battery_frames_hidden, _runs, compare
+from parity.battery.checks.shared import _Runs, _battery_frames_hidden, _runs
 from parity.compare import programs
 from parity.core import compat
-from parity.core import paths
 from parity.pairs import adapter
 from parity.pairs import correspond
 from parity.pairs import substitutes

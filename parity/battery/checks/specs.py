@@ -3,9 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-import flax.linen as nn
-
-from parity.battery.checks.shared import _battery_frames_hidden, _rules, _runs, compare
+from parity.battery.checks.shared import _battery_frames_hidden, _rules, _runs
 from parity.compare import activations
 from parity.core import rng
 from parity.core import specs as specs_lib

@@ -4,8 +4,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Sequence
 
-from flax import nnx
-
 from parity.battery.checks.shared import _battery_frames_hidden, _runs
 from parity.core.errors import TreeMismatchError
 from parity.pairs import adapter

@@ -3,15 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from flax import nnx
-
 from parity.battery.checks.decode import check_decode
 from parity.battery.checks.evaluation import check_eval
 from parity.battery.checks.grads import check_grads
 from parity.battery.checks.localize import check_localize
 from parity.battery.checks.shared import _battery_frames_hidden, _runs
 from parity.battery.checks.train import check_train
-from parity.compare import localize
 from parity.pairs import adapter
 from parity.pairs import substitutes
 

@@ -1,8 +1,6 @@
 """The train part: the trajectory of train steps from either side's init, bit for bit."""
 from __future__ import annotations
 
-from flax import nnx
-
 from parity.battery.checks.shared import _battery_frames_hidden, _runs, _unproven_line, _with_localization, compare, first_divergent_step, per_step
 from parity.core import bitwise
 from parity.pairs import adapter
