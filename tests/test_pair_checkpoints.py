@@ -1,4 +1,4 @@
-"""A pair's own checkpoints across its sides (parity/store/pair_convert.py): each side's own save
+"""A pair's own checkpoints across its sides (parity/store/pair_convert/): each side's own save
 code in, the other side's own restore code out, verified by one train step on each side; two
 checkpoints compared leaf by leaf; bad input refused with nothing written.
 
@@ -189,7 +189,7 @@ def test_a_conversion_the_other_side_cannot_restore_fails_verification(own, tmp_
       raise ValueError('a tree its restore code does not read\nmore lines')
     return real(item, layout, side)
 
-  monkeypatch.setattr(pair_convert, 'restore_native', restore)
+  monkeypatch.setattr(pair_convert.restore, 'restore_native', restore)
   result = parity.convert_checkpoint(tiny_pairs.tiny, root / 'linen', tmp_path / 'nnx', 'nnx', verify=True)
   assert (result.verified, result.written) == (False, False)
   assert result.differences == ["the conversion cannot be restored by the nnx side's own restore code (nnx):"
@@ -298,8 +298,8 @@ def test_diff_streams_each_leaf_a_box_pair_at_a_time_and_says_what_a_whole_array
     reads.append((stored[0].disk, box, xa.nbytes, xb.nbytes))
     return xa, xb
 
-  monkeypatch.setattr(pair_convert, 'DIFF_BOX_BYTES', 16)
-  monkeypatch.setattr(pair_convert, '_read_pair', spy)
+  monkeypatch.setattr(pair_convert.comparing, 'DIFF_BOX_BYTES', 16)
+  monkeypatch.setattr(pair_convert.comparing, '_read_pair', spy)
   streamed = parity.compare_checkpoints(tiny_pairs.tiny, root / 'linen', tmp_path / 'planted')
   kernel_reads = [(box, na, nb) for disk, box, na, nb in reads if disk == 'params/Dense_0/kernel']
   assert len(kernel_reads) == 8 and all(na == nb == 16 for _, na, nb in kernel_reads), kernel_reads
@@ -336,7 +336,7 @@ def test_a_streamed_comparison_across_chunk_grids_is_the_whole_array_comparison(
     ts.open(spec, create=True).result().write(x).result()
     items.append(pair_convert.Item(os.fspath(item_dir), 'checkpointer', os.fspath(item_dir)))
     stored.append(pair_convert.Stored('x', 'x', (6, 10), np.dtype(np.float32), chunk, {}, False, False))
-  monkeypatch.setattr(pair_convert, 'DIFF_BOX_BYTES', 8)
+  monkeypatch.setattr(pair_convert.comparing, 'DIFF_BOX_BYTES', 8)
   expected = bitwise.compare_leaves('x', a, b).detail
   assert 'first at index [0, 7]' in expected, expected
   assert pair_convert._compare_arrays(items, stored[0], stored[1], cast=False) == expected
@@ -441,7 +441,7 @@ def test_a_failure_while_writing_leaves_nothing_at_dst(own, tmp_path, monkeypatc
   def full(*args, **kwargs):
     raise OSError(28, 'No space left on device')
 
-  monkeypatch.setattr(pair_convert, '_write_array_metadatas', full)
+  monkeypatch.setattr(pair_convert.writing, '_write_array_metadatas', full)
   with pytest.raises(ConvertError, match=r'writing the converted arrays failed: .*No space left on device;'
                                          r' nothing written to DST, SRC untouched'):
     parity.convert_checkpoint(tiny_pairs.tiny, root / 'linen', tmp_path / 'nnx', 'nnx')

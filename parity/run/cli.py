@@ -398,7 +398,7 @@ def cmd_renames(args) -> int:
 
 
 def cmd_convert_any(args) -> int:
-  """`parity convert`: with `--pair`, a declared pair's own checkpoints (parity/store/pair_convert.py);
+  """`parity convert`: with `--pair`, a declared pair's own checkpoints (parity/store/pair_convert/);
   without it, the reference layouts (parity/store/convert.py)."""
   pair_only = [name for name, given in (('--verify', args.verify), ('--item', args.item),
                                          ('--format', args.target_format), ('--mesh', args.mesh)) if given]

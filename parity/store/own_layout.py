@@ -12,7 +12,7 @@ the state (computed, not copied; a cast of an integer counter is allowed) is
 refused, naming it: a converter can only move arrays, not recompute them.
 
 The result is a `Layout` of format `<role>-own`, which the converter writes
-and reads (parity/store/pair_convert.py) like the stock formats.
+and reads (parity/store/pair_convert/) like the stock formats.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from parity.pairs import adapter
 
 def check_convert(pair: adapter.Pair, direction: str) -> list[str]:
   """A checkpoint saved by one side's own code (a StandardCheckpointer save of its state after one
-  step), converted to the other side's through the pair's correspondences (parity/store/pair_convert.py),
+  step), converted to the other side's through the pair's correspondences (parity/store/pair_convert/),
   restored by the other side as its own code restores it, resumes bit for bit: the remaining
   steps' metrics and final state equal an uninterrupted run's."""
   __tracebackhide__ = _battery_frames_hidden
