@@ -1,7 +1,7 @@
 """The localizer inside scanned stacks: each layer's module calls recorded and named by index.
 
 The localizer's probes open the bodies of `jax.lax.scan` and `jax.checkpoint`
-(parity/compare/localize.py, `layers_opened`): Linen `nn.scan(nn.remat(...))`
+(parity/compare/localize/, `layers_opened`): Linen `nn.scan(nn.remat(...))`
 and NNX `jax.lax.scan` over `nnx.split` state (the production family,
 tests/test_family_production.py), and `nnx.scan` over `nnx.vmap`-made layers.
 A bug planted in layer 1 only fails the grads part, and the localizer names

@@ -14,7 +14,7 @@ public methods other than `__call__` are calls too: a bug in a parent between
 two Einsum-like children (`__call__(self, eqn, x)`) is the parent's, a bug in
 `Embedder.decode` is named with its method, and an argument made otherwise (a
 mask) names the module that made it, not the one that received it
-(parity/compare/localize.py).
+(parity/compare/localize/).
 
 (c) Inside stacks whose layer sits behind the wrapper copy (Linen `nn.scan`,
 rematerialised or not, against `nnx.scan` or `jax.lax.scan` over `nnx.split`

@@ -1,6 +1,6 @@
 """The localizer on an eval step: the first module call that differs in eval mode.
 
-The train-mode localizer (parity/compare/localize.py) cannot see what only
+The train-mode localizer (parity/compare/localize/) cannot see what only
 eval mode computes: a dropout left on, a scaling applied at inference, a
 norm reading batch statistics. Here each side's eval step runs once more,
 eagerly, from the state the eval part compared, its module calls recorded

@@ -2,7 +2,7 @@
 
 A side's function (its decode, its eval step) runs once more, eagerly
 (`jax.disable_jit`), with every module's `__call__` recorded as the
-train-mode localizer records it (parity/compare/localize.py); a call of the
+train-mode localizer records it (parity/compare/localize/); a call of the
 model itself (an outermost module call) starts a fresh record. Records are
 compared model call by model call with `localize.localize`, so a module
 called k times in one model call is still matched call by call.
