@@ -2,7 +2,7 @@
 
 A `Side` is one framework's implementation of a model and its training: the
 reference decoder's sides (bridge/sides.py) and the stock-state sides
-(parity/pairs/stock.py) both implement it, and the runner, checkpoints, program
+(parity/pairs/stock/) both implement it, and the runner, checkpoints, program
 comparison and the pytest plugin (parity/battery/plugin.py) take any pair of them.
 
 Everything crosses between sides through one flat checkpoint layout,
@@ -37,7 +37,7 @@ class Side(Protocol):
 
   Every member is needed by some part of the battery, `probe` by the
   localizer only (a side without it runs every other part; `make_pair_sides`
-  names what a side lacks). parity/pairs/stock.py implements them for flax's
+  names what a side lacks). parity/pairs/stock/ implements them for flax's
   stock train states, bridge/sides.py for the reference decoder's own.
 
   The checkpoint layout, which every state crosses sides in: `{path: array}`,
@@ -410,7 +410,7 @@ class Pair:
   parity.core.specs.parse_mesh_spec; all of one size; `mesh_factory` lays them out the model's way). `steps` is the length of the training runs.
   `rules`: the logical axis rules of the model's parameters and activation
   constraints; on each mesh every parameter must sit where the rules put
-  its logical axes (the sides shard by them: parity/pairs/stock.py takes `rules=`).
+  its logical axes (the sides shard by them: parity/pairs/stock/ takes `rules=`).
   """
 
   name: str

@@ -4,7 +4,7 @@ Most repositories keep their models apart from their train loop. Given a
 Linen module, an NNX module (or its constructor taking `rngs`), how a batch
 becomes the model's inputs, a loss on (outputs, batch) and an optax
 optimizer, `linen_side` and `nnx_side` write what a user would write for
-each framework, and return the stock sides (parity/pairs/stock.py) over it;
+each framework, and return the stock sides (parity/pairs/stock/) over it;
 `model_pair` returns the `Pair`:
 
 * create: Linen `model.init` (eval mode, PRNGKey(seed)) into a flax

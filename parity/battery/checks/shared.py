@@ -437,7 +437,7 @@ class _Runs:
 
 
 def _stock_value_and_grads(side: adapter.Side) -> bool:
-  """Whether `side.value_and_grads` is the stock sides' (parity/pairs/stock.py), directly or
+  """Whether `side.value_and_grads` is the stock sides' (parity/pairs/stock/), directly or
   through a wrapper that delegates to one."""
   from parity.pairs import stock
 
