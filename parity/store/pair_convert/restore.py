@@ -57,7 +57,7 @@ def abstract_target(side: Any, layout: Layout) -> Any:
 
   def one(keypath, node):
     name = paths._path_str(keypath)
-    if own is not None and name not in shardings:
+    if own is not None:  # a declared tree: its disk path names the state leaf it holds
       name = own.get(name, own.get(name + '/value', name))
     if isinstance(node, nnx.Variable):
       x = node.get_value()
