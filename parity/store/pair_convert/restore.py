@@ -1,7 +1,9 @@
 """Restoring a side's own checkpoint as its own code does, and verifying a conversion by one step."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import contextlib
+import logging
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -84,17 +86,30 @@ def restore_native(item: Item, layout: Layout, side: Any) -> Any:
   if item.kind == 'checkpointer':
     restored = ocp.StandardCheckpointer().restore(item.item_dir, target)
   else:
-    manager = ocp.CheckpointManager(item.path, options=ocp.CheckpointManagerOptions(read_only=True))
-    try:
-      restored = manager.restore(item.step, args=ocp.args.Composite(
-          **{item.item: ocp.args.StandardRestore(target)}))[item.item]
-    finally:
-      manager.close()
+    with _orbax_warnings_quiet():  # read-only by design: Orbax's warnings that it is say nothing
+      manager = ocp.CheckpointManager(item.path, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+      try:
+        restored = manager.restore(item.step, args=ocp.args.Composite(
+            **{item.item: ocp.args.StandardRestore(target)}))[item.item]
+      finally:
+        manager.close()
   flat = paths.flatten(restored)
   if layout.format in OWN_FORMATS:
     flat = _own_to_native(layout, side, flat)
   state = paths.fill(f'{item.describe()} -> {layout.role} state', side.template, flat)
   return _uncommitted(state) if side.mesh is None else state
+
+
+@contextlib.contextmanager
+def _orbax_warnings_quiet() -> Iterator[None]:
+  """Orbax's (absl's) warnings held back while opening a checkpoint read-only."""
+  logger = logging.getLogger('absl')
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
 
 
 def own_tree(pair: Any, role: str, side: Any, state: Any) -> Any:
