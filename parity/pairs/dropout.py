@@ -232,11 +232,12 @@ def linen_dropout_keys(call_keys: Mapping[str, str] = {},
       linen_counts[forward, '#wrapped', wrapper] += 1
       drawn = wrapped[wrapper]
       m = linen_counts[forward, '#wrapped', wrapper]
-      count, folds = drawn[min(m, len(drawn)) - 1]
-      key = compat.linen_make_rng(root, wrapper.split('/') if wrapper else [], count)
-      for fold in folds:
-        key = jax.random.fold_in(key, fold)
-      return key
+      if m <= len(drawn):  # a draw more than the Linen side's: none of its keys (below), so that it differs
+        count, folds = drawn[m - 1]
+        key = compat.linen_make_rng(root, wrapper.split('/') if wrapper else [], count)
+        for fold in folds:
+          key = jax.random.fold_in(key, fold)
+        return key
     counts = draws.get(linen_path, ())
     count = counts[n - 1] if n <= len(counts) else n
     return compat.linen_make_rng(root, linen_path.split('/') if linen_path else [], count)
