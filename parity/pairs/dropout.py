@@ -58,6 +58,7 @@ import collections
 import contextlib
 from typing import Any, Callable, Iterator, Mapping
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -69,7 +70,8 @@ SCHEMES = ('nnx', 'linen')
 
 
 def linen_draws(traced_loss: Callable[..., Any], *args: Any,
-                wrapped: dict[str, list[tuple[int, tuple[int, ...]]]] | None = None) -> dict[str, tuple[int, ...]]:
+                wrapped: dict[str, list[tuple[int, tuple[int, ...]]]] | None = None,
+                rates: dict[str, float] | None = None) -> dict[str, tuple[int, ...]]:
   """The counts Linen's `make_rng('dropout')` draws with, by scope path, in `traced_loss(*args)` (one
   abstract trace of the Linen side's train-mode loss).
 
@@ -96,7 +98,16 @@ def linen_draws(traced_loss: Callable[..., Any], *args: Any,
       lineage.made(key, path, self.rng_counters[name])
     return key
 
-  with compat.flax_scan_checks() as checking, lineage.tracing():
+  linen_rates: dict[str, float] = {}
+
+  def rate_of(next_fun, args, kwargs, context):
+    """Each drawing `nn.Dropout`'s rate, by its scope path (what a failure compares with NNX's)."""
+    module = context.module
+    if isinstance(module, nn.Dropout) and context.method_name == '__call__' and module.scope is not None:
+      linen_rates['/'.join(module.scope.path)] = module.rate
+    return next_fun(*args, **kwargs)
+
+  with compat.flax_scan_checks() as checking, lineage.tracing(), nn.intercept_methods(rate_of):
     core_scope.Scope.make_rng = make_rng
     try:
       jax.eval_shape(traced_loss, *args)
@@ -104,7 +115,20 @@ def linen_draws(traced_loss: Callable[..., Any], *args: Any,
       core_scope.Scope.make_rng = original
   if wrapped is not None:
     wrapped.update(lineage.dropouts)
+  if rates is not None:
+    rates.update(linen_rates)
+    rates.update({f'{path}/*': rate for path, rate in lineage.rates.items()})
   return {path: tuple(counts) for path, counts in drawn.items()}
+
+
+def linen_rate(linen_path: str, rates: Mapping[str, float]) -> float | None:
+  """The rate of the Linen side's dropout at `linen_path` (an `nn.Dropout`, or an NNX dropout behind
+  a wrapper there: the wrapper's, where its dropouts share one), from `linen_draws`' `rates`; None
+  where the Linen side has none there or cannot tell."""
+  if linen_path in rates:
+    return rates[linen_path]
+  wrapper = _wrapper_of(linen_path, {p[:-2]: r for p, r in rates.items() if p.endswith('/*')})
+  return None if wrapper is None else rates[wrapper + '/*']
 
 
 class _Lineage:
@@ -120,6 +144,7 @@ class _Lineage:
     self.keys: dict[int, tuple[str, int, tuple[int, ...]]] = {}
     self.streams: dict[int, list] = {}  # id(stream) -> [(path, count, folds), draws so far]
     self.dropouts: dict[str, list[tuple[int, tuple[int, ...]]]] = collections.defaultdict(list)
+    self.rates: dict[str, float] = {}  # by the make_rng scope path: the wrapped dropouts' rate, where one
     self._alive: list = []  # every followed object, kept so that its id stays its own
 
   def made(self, key, path: str, count: int) -> None:
@@ -157,6 +182,10 @@ class _Lineage:
       if followed is not None and not off and self.rate not in (0.0, 1.0):
         (path, count, folds), n = followed
         lineage.dropouts[path].append((count, folds + (n,)))
+        if lineage.rates.get(path, self.rate) == self.rate:
+          lineage.rates[path] = self.rate
+        else:  # two rates behind one wrapper: which is whose, the kit cannot tell
+          lineage.rates[path] = float('nan')
       return dropout_call(self, inputs, deterministic=deterministic, rngs=rngs)
 
     nnx.RngStream.__init__, nnx.RngStream.__call__, nnx.Dropout.__call__ = init, draw, dropout

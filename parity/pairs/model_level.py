@@ -7,7 +7,7 @@ optimizer, `linen_side` and `nnx_side` write what a user would write for
 each framework, and return the stock sides (parity/pairs/stock/) over it;
 `model_pair` returns the `Pair`:
 
-* create: Linen `model.init` (eval mode, PRNGKey(seed)) into a flax
+* create: Linen `model.init` (eval mode, PRNGKey(seed) for 'params', its fold-in for 'dropout') into a flax
   `TrainState` whose extra fields are the collections `init` makes beside
   `params` (`batch_stats`, ...), parameters as `init` gives them (boxed where
   the model annotates them); NNX `model = make(rngs=nnx.Rngs(seed))` and
@@ -137,7 +137,12 @@ class LinenModel:
     """`model.init` in eval mode on the pair's first train batch, into a flax TrainState."""
     _check_call('linen_side', self.model, self.train_kwargs, self.eval_kwargs,
                 None if self.dropout == 'rngs' else self.dropout)  # rngs: apply's own keyword
-    variables = dict(self.eval_model.init(jax.random.PRNGKey(seed), *_args(self.inputs, self.batch(0, 'train')),
+    key = jax.random.PRNGKey(seed)
+    # A 'dropout' key too, which init never draws from in eval mode, but which an NNX layer behind
+    # flax's ToLinen needs to be built at init (its nnx.Dropout keeps a stream of it); the parameters
+    # are drawn from the 'params' key alone, whatever other keys init gets.
+    keys = {'params': key, 'dropout': jax.random.fold_in(key, 1)} if self.dropout is not None else key
+    variables = dict(self.eval_model.init(keys, *_args(self.inputs, self.batch(0, 'train')),
                                           **self.eval_kwargs))
     state_class = train_state_class(tuple(sorted(c for c in variables if c not in NOT_STATE)))
     extra = {c: variables[c] for c in state_class.collections}

@@ -257,6 +257,10 @@ class _Runs:
       return self.dropout_scheme_lines(module)
     named = module if nnx_module == module else f'{module} (NNX {nnx_module})'
     where = ', '.join(streams)
+    rates = self.dropout_rates(module)
+    if rates is not None:  # a rate is the model's: named before any key
+      return [f"{named}: the dropout rates differ: Linen's {rates[0]}, NNX's {rates[1]}. A rate is the"
+              " model's own, not the keys': give both dropouts the same rate"]
     if getattr(side, 'dropout_keys', None) != 'linen':
       return [f"{named} draws its dropout mask from an RNG stream the NNX model keeps ({where}), Linen's"
               " from make_rng('dropout'): their masks cannot be equal. Give the NNX side Linen's keys,"
@@ -277,6 +281,16 @@ class _Runs:
             " stock Linen step gives its apply, parity.step_key(dropout_base, step, 0) (in the grads"
             " part, the loss's key); a Linen step that derives its key otherwise, or a draw the kit"
             " does not see (jax.random called on the stream's key), gives other masks"]
+
+  def dropout_rates(self, module: str) -> tuple[float, float] | None:
+    """(Linen's rate, NNX's) of the dropout at Linen path `module` where both are known and differ
+    (Linen's read in the kit's trace of its loss: `linen_draws`), else None."""
+    rates = dict(getattr(self.side('nnx'), 'linen_rates', ()) or ())
+    linen = pair_dropout.linen_rate(module.split('#', 1)[0], rates)
+    nnx_rate = getattr(self.nnx_module_at(module.split('#', 1)[0]), 'rate', None)
+    if linen is None or nnx_rate is None or linen != linen or float(linen) == float(nnx_rate):
+      return None
+    return linen, nnx_rate
 
   def drawing_streams(self, nnx_module: str, other: bool = False) -> list[str]:
     """The NNX paths of the 'dropout' streams kept by dropouts at or under `nnx_module` that draw (a

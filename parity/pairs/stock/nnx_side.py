@@ -84,6 +84,8 @@ class StockNnx(_Stock):
   linen_draws: tuple[tuple[str, tuple[int, ...]], ...] = ()
   # (Linen wrapper scope path, each NNX dropout behind it: (make_rng count, folds)), the same way.
   linen_wrapped: tuple[tuple[str, tuple[tuple[int, tuple[int, ...]], ...]], ...] = ()
+  # (Linen dropout path, or a wrapper's path + '/*', its rate): what a failure compares NNX's rates with.
+  linen_rates: tuple[tuple[str, float], ...] = ()
   # Stand-ins the kit applies in place to every model `create` makes (parity/pairs/substitutes.py
   # IN_PLACE: parity.linen_attention on each stock nnx.MultiHeadAttention): set from the pair's
   # declared differences that name one as their `substitute=` (`adopt_substitutes`).
@@ -121,9 +123,10 @@ class StockNnx(_Stock):
     if self.dropout_keys != 'linen' or not isinstance(linen_side, StockLinen):
       return
     state = linen_side.template
-    wrapped: dict = {}
+    wrapped, rates = {}, {}
     draws = dropout.linen_draws(lambda state: linen_side.loss(state.params, state, batch, key), state,
-                                wrapped=wrapped)
+                                wrapped=wrapped, rates=rates)
+    object.__setattr__(self, 'linen_rates', tuple(sorted(rates.items())))
     object.__setattr__(self, 'linen_draws', tuple(sorted(draws.items())))
     object.__setattr__(self, 'linen_wrapped', tuple(sorted((p, tuple(d)) for p, d in wrapped.items())))
 
