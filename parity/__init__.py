@@ -9,7 +9,7 @@ Everything a user's test needs is here, under one import:
 A test module that declares a `Pair` at module level gets the equivalence
 battery from the pytest plugin (`parity.battery.plugin`, installed as a
 `pytest11` entry point). The names below are the public API; the
-subpackages (`core`, `pairs`, `battery`, `compare`, `store`, `run`,
+subpackages (`core`, `pairs`, `battery`, `compare`, `store`, `records`, `run`,
 `procs`, `env`) hold their implementation, grouped by job, and may change.
 
 Names resolve on first use (PEP 562), so `import parity` imports no jax: the
@@ -71,6 +71,10 @@ _EXPORTS = {
     'compare_checkpoints': ('parity.store.pair_convert', 'compare_checkpoints'),
     'to_linen_layout': ('parity.store.pair_convert', 'to_linen_layout'),
     'to_nnx_layout': ('parity.store.pair_convert', 'to_nnx_layout'),
+    # after Linen: a record of the Linen side's results, standing for it once it is deleted
+    'record': ('parity.records.writing', 'record'),
+    'recorded': ('parity.records.side', 'recorded'),
+    'RecordError': ('parity.records.files', 'RecordError'),
 }
 
 __all__ = sorted(_EXPORTS)

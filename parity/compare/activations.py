@@ -188,8 +188,12 @@ def rows(
 ) -> list[Row]:
   """The activation constraints of `side`'s train step (a side off any mesh).
 
-  `state`, `batch` and `dropout_base` may be abstract (ShapeDtypeStructs).
+  `state`, `batch` and `dropout_base` may be abstract (ShapeDtypeStructs). A recorded side
+  (parity/records/) gives the rows it recorded.
   """
+  recorded = getattr(side, 'recorded_activations', None)
+  if recorded is not None:
+    return recorded(mesh_sizes)
   names = sorted({name for name, _ in rules})
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch, dropout_base))
   step = side.train_step_function()

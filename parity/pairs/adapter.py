@@ -523,6 +523,12 @@ def make_pair_sides(pair: 'Pair', mesh: jax.sharding.Mesh | None) -> tuple[Side,
           ' implements them for flax\'s stock train states)')
   linen, nnx_side = sides
   in_place = _in_place_substitutions(pair, nnx_side)
+  if hasattr(linen, 'adopt_into'):  # a record standing for the deleted Linen side (parity/records/side.py)
+    linen.attach(nnx_side)
+    linen.adopt_into(nnx_side)
+    if in_place:
+      _check_substitutions(pair, nnx_side, in_place)
+    return linen, nnx_side
   if getattr(nnx_side, 'infer_renames', False) is True and hasattr(nnx_side, 'adopt_correspondence'):
     found = _correspondence(pair, linen, nnx_side)
     if found is not None:

@@ -432,8 +432,10 @@ def model_pair(name: str, *, linen: nn.Module, nnx: Callable[..., nnx.Module] | 
     return codes[key]
 
   def make_sides(mesh):
-    linen_code = code('linen', linen, lambda m: linen_model(m, batch=batch, cache_call=linen_call, **common), mesh)
     nnx_code = code('nnx', nnx, lambda m: nnx_model(m, cache_call=nnx_call, **common), mesh)
+    if hasattr(linen, 'side') and not isinstance(linen, (nn.Module, PerMesh)):  # parity.recorded(DIR)
+      return linen.side(mesh), nnx_code.side(mesh, **side_rules, **(nnx_options or {}))
+    linen_code = code('linen', linen, lambda m: linen_model(m, batch=batch, cache_call=linen_call, **common), mesh)
     return (linen_code.side(mesh, **side_rules, **(linen_options or {})),
             nnx_code.side(mesh, **side_rules, **(nnx_options or {})))
 

@@ -451,6 +451,28 @@ def cmd_diff_checkpoints(args) -> int:
     raise BadInput(str(e)) from None
 
 
+def cmd_record(args) -> int:
+  """`parity record --pair FILE.py:NAME --side linen OUT`: the side's battery results as a record
+  (parity/records/), made to be committed; exit 0 written, 2 bad input."""
+  from parity.env import xla_env
+  from parity.records import files
+  from parity.records import writing
+
+  pair = _load_pair(args.pair)
+  if not xla_env.backends_started():  # the flags the battery runs under (parity/battery/plugin.py)
+    flags = list(xla_env.GPU_DETERMINISTIC_FLAGS)
+    if pair.meshes:
+      from parity.core import specs
+
+      flags.append(xla_env.host_device_count_flag(math.prod(specs.parse_mesh_spec(pair.meshes[0]).values())))
+    xla_env.add_flags(tuple(flags))
+  try:
+    writing.record(pair, args.out, side=args.side)
+  except (ValueError, files.RecordError) as e:
+    raise BadInput(str(e)) from None
+  return 0
+
+
 def cmd_scenarios(args) -> int:
   return reference_decoder().scenarios_command(args)
 
@@ -546,6 +568,12 @@ def build_parser() -> argparse.ArgumentParser:
   renames.add_argument('--pair', required=True, metavar='FILE.py:NAME',
                        help='the pair (a parity.Pair), e.g. tests/test_family_encoder.py:encoder')
   renames.set_defaults(func=cmd_renames)
+  record = sub.add_parser('record', help="one side's battery results written as a record, to prove the other"
+                         ' side against once it is deleted (docs/after-linen.md)')
+  record.add_argument('--pair', required=True, metavar='FILE.py:NAME', help='the pair (a parity.Pair)')
+  record.add_argument('--side', default='linen', choices=('linen',), help='the side recorded (default: linen)')
+  record.add_argument('out', metavar='OUT', help='the record\'s directory (replaced once the record is complete)')
+  record.set_defaults(func=cmd_record)
   scenarios = sub.add_parser('scenarios', help='list the scenarios')
   scenarios.set_defaults(func=cmd_scenarios)
   return parser

@@ -40,23 +40,16 @@ def check_init(pair: adapter.Pair) -> None:
       problems.append(str(d))
       continue
     x, y = a[d.path], b[d.path]
-    random = [
-        jax.numpy.issubdtype(v.dtype, jax.numpy.floating) and v.size > 1 and bool(np.any(v != v.flat[0]))
-        for v in (x, y)
-    ]
+    random = [is_random(v) for v in (x, y)]
     if not all(random):
       which = ' and '.join(name for name, r in zip(('Linen', 'NNX'), random) if not r)
       problems.append(f'{d} (not random in {which}: all its elements equal, or not floats, so'
                       ' compared bit for bit)')
       continue
     x, y = x.astype(np.float64).ravel(), y.astype(np.float64).ravel()
-    n, sx, sy = x.size, x.std(), y.std()
-    mean_bound = INIT_SIGMAS * max(sx, sy) * np.sqrt(2 / n)
-    std_bound = INIT_SIGMAS / np.sqrt(n)
-    stats = (f'mean {x.mean():.4g} vs {y.mean():.4g}, std {sx:.4g} vs {sy:.4g}, {n} elements;'
-             f' bounds: means within {mean_bound:.3g}, std ratio within 1 +- {std_bound:.3g}')
-    if abs(x.mean() - y.mean()) > mean_bound or abs(sx / sy - 1) > std_bound:
-      problems.append(f'{d.path}: another distribution ({stats})')
+    problem = distribution_problem(d.path, (x.size, x.mean(), x.std()), (y.size, y.mean(), y.std()))
+    if problem:
+      problems.append(problem)
   if problems:
     raise AssertionError(
         f'{pair.name}: the two sides\' own initial states (init(seed {pair.seed}), checkpoint'
@@ -64,3 +57,21 @@ def check_init(pair: adapter.Pair) -> None:
         ' leaf/leaves (values: Linen vs NNX)\n  ' + '\n  '.join(problems[:50])
         + (f'\n  ... and {len(problems) - 50} more' if len(problems) > 50 else '')
     )
+
+
+def distribution_problem(path: str, a: tuple[int, float, float], b: tuple[int, float, float]) -> str:
+  """Why two random leaves of (elements, mean, std) `a` and `b` are not one distribution at
+  INIT_SIGMAS standard errors ('' where they are); a record keeps a leaf's statistics alone."""
+  (n, mx, sx), (_, my, sy) = a, b
+  mean_bound = INIT_SIGMAS * max(sx, sy) * np.sqrt(2 / n)
+  std_bound = INIT_SIGMAS / np.sqrt(n)
+  stats = (f'mean {mx:.4g} vs {my:.4g}, std {sx:.4g} vs {sy:.4g}, {n} elements;'
+           f' bounds: means within {mean_bound:.3g}, std ratio within 1 +- {std_bound:.3g}')
+  if abs(mx - my) > mean_bound or abs(sx / sy - 1) > std_bound:
+    return f'{path}: another distribution ({stats})'
+  return ''
+
+
+def is_random(v: np.ndarray) -> bool:
+  """Whether a leaf is compared in distribution: floats whose elements are not all equal."""
+  return jax.numpy.issubdtype(v.dtype, jax.numpy.floating) and v.size > 1 and bool(np.any(v != v.flat[0]))

@@ -446,6 +446,9 @@ class _Runs:
   @functools.cache
   def compiled(self, side_name: str) -> runner.CompiledStep:
     side = self.side(side_name)
+    recorded = getattr(side, 'recorded_step', None)  # a recorded side (parity/records/): its step as recorded
+    if recorded is not None:
+      return recorded()
     state = side.from_checkpoint(self.start('linen'))
     return runner.compile_step(side, state, self.batch(0), self.dropout_base())
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 import jax
 import numpy as np
@@ -129,6 +129,27 @@ class StockNnx(_Stock):
     object.__setattr__(self, 'linen_rates', tuple(sorted(rates.items())))
     object.__setattr__(self, 'linen_draws', tuple(sorted(draws.items())))
     object.__setattr__(self, 'linen_wrapped', tuple(sorted((p, tuple(d)) for p, d in wrapped.items())))
+
+  # What the side took from the Linen side (`adopt_correspondence`, `adopt_linen_draws`), by name:
+  # what a record of the Linen side keeps for this side once that side is gone (parity/records/).
+  ADOPTED = ('renames', 'call_keys', 'linen_draws', 'linen_wrapped', 'linen_rates')
+
+  def adopted(self) -> dict[str, Any]:
+    """What this side took from the Linen side, as plain data (`ADOPTED`; renames as their rules)."""
+    out = {name: getattr(self, name) for name in self.ADOPTED}
+    out['renames'] = tuple(self.renames.rules)
+    return out
+
+  def adopt_recorded(self, adopted: Mapping[str, Any]) -> None:
+    """Takes in place what `adopted()` gave, read back from a record (lists made tuples again),
+    before first use: the Linen side's correspondence and dropout draws without the Linen side."""
+    def tuples(x):
+      return tuple(tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+    for name in self.ADOPTED:
+      value = tuples(adopted[name])
+      object.__setattr__(self, name, bridge_stock.Renames(value) if name == 'renames' else value)
+    object.__setattr__(self, 'infer_renames', False)
 
   def adopt_substitutes(self, stand_ins: tuple[Callable[..., Any], ...]) -> None:
     """Takes in place the stand-ins to apply to every model `create` makes, before first use
