@@ -121,6 +121,53 @@ def test_a_broken_pair_fails_with_the_bitwise_report_and_the_localizer(user_proj
   result.stdout.no_fnmatch_line('*raise _with_localization*')
 
 
+AFTER_LINEN = '''
+# test_after_linen.py: the README's pair once its Linen code is deleted
+import sys
+sys.modules['models.linen.classifier'] = None  # gone: importing it raises ImportError
+
+import functools
+
+import parity
+from models.families import ClassifierConfig, classifier_batch
+from models.nnx import classifier as nnx_classifier
+
+CFG = ClassifierConfig()
+BASELINE = parity.recorded('records/classifier')  # `parity record`, before the Linen code went
+
+
+def make_sides(mesh):
+  nnx_side = parity.StockNnx(
+      functools.partial(nnx_classifier.create_train_state, CFG), nnx_classifier.train_step,
+      nnx_classifier.eval_step, nnx_classifier.loss_fn, mesh=mesh,
+  )
+  return BASELINE.side(mesh), nnx_side
+
+
+classifier = parity.Pair('classifier', make_sides, functools.partial(classifier_batch, CFG),
+                         parts=('structure', 'train', 'checkpoints'))
+'''
+
+
+def test_a_pair_recorded_before_linen_went_runs_its_battery_against_the_record(user_project):
+  """`parity record` on the README's pair, then the pair declared with the record for its Linen
+  side and the Linen module unimportable: the plugin's parts compare the NNX side with the
+  record; those that need Linen alive are skipped, each saying why."""
+  import subprocess
+  import sys
+
+  done = subprocess.run([sys.executable, '-m', 'parity', 'record', '--pair', 'test_classifier_migration.py:classifier',
+                         '--parts', 'structure,train', 'records/classifier'],
+                        cwd=user_project.path, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr
+  assert 'parity record: classifier: 2 parts recorded in records/classifier' in done.stderr, done.stderr
+  user_project.makepyfile(test_after_linen=AFTER_LINEN)
+  result = user_project.runpytest_subprocess('-p', 'no:cacheprovider', 'test_after_linen.py', '-rs')
+  result.assert_outcomes(passed=3, skipped=4)
+  result.stdout.fnmatch_lines(['*checkpoints is not checked against the record records/classifier: saving on one'
+                               ' side and restoring on the other needs both sides alive*'])
+
+
 RAISING_PAIR = '''
 
 import dataclasses

@@ -33,6 +33,8 @@ CANNOT = {
     'localize': 'the localizer compares every module\'s values on both sides, of which a record keeps none',
     'substitution': 'a substitution runs the deleted side against a substitute of the live one',
 }
+SHOWN = 12  # the differing entries a failure lists
+
 # The parts whose results do not depend on the environment's bits.
 ANYWHERE = ('structure', 'specs')
 
@@ -120,8 +122,9 @@ def compare_entries(pair: adapter.Pair, where: str, what: str, recorded: Sequenc
   if problems:
     raise AssertionError(
         f'{pair.name}: {what} differs from the record {where} in {len(problems)} of {len(recorded)} entries;'
-        f' first: {problems[0]}\n  ' + '\n  '.join(problems[1:30])
-        + (f'\n  ... and {len(problems) - 30} more' if len(problems) > 30 else ''))
+        f' first: {problems[0]}\n  ' + '\n  '.join(problems[1:SHOWN])
+        + (f'\n  ... and {len(problems) - SHOWN} more (the record\'s {where}/*.txt tables, one line per entry)'
+           if len(problems) > SHOWN else ''))
 
 
 def _check_init(pair: adapter.Pair, runs: Any, record: Any) -> list[str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-import jax
 import numpy as np
 
 from parity.core import paths
@@ -77,18 +76,17 @@ def decode(runs: Any, side_name: str, placement: str) -> list[Entry]:
 
 
 def mesh(runs: Any, side_name: str, mesh_spec: str) -> list[Entry]:
-  """`pair.steps` train steps on the mesh from the common start: each step's metrics, the final
-  state, and where each leaf of it is placed."""
+  """`pair.steps` train steps on the mesh from the common start: where each leaf of the final state
+  is placed (first, as the mesh part checks it: a leaf placed otherwise is the cause of numbers
+  that differ), each step's metrics, the final state."""
   metrics, final, _ = runs.trajectory(side_name, 'linen', mesh_spec)
   out: list[Entry] = []
+  for path, x in sorted(final.items()):
+    spec = getattr(getattr(x, 'sharding', None), 'spec', None)
+    out.append((f'placed {path}', digests.kind(x), 'replicated' if spec is None else str(tuple(spec))))
   for step, m in enumerate(metrics):
     out += _entries(f'step {step} ', m)
-  out += _entries('final ', final)
-  for path, x in sorted(final.items()):
-    sharding = getattr(x, 'sharding', None)
-    spec = getattr(sharding, 'spec', None)
-    out.append((f'placed {path}', digests.kind(x), 'replicated' if spec is None else str(tuple(spec))))
-  return out
+  return out + list(_entries('final ', final))
 
 
 def init(runs: Any, side_name: str) -> list[Entry]:

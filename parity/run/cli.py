@@ -466,6 +466,16 @@ def cmd_record(args) -> int:
 
       flags.append(xla_env.host_device_count_flag(math.prod(specs.parse_mesh_spec(pair.meshes[0]).values())))
     xla_env.add_flags(tuple(flags))
+  if args.parts:
+    import dataclasses
+
+    from parity.battery.parts import PARTS
+
+    parts = tuple(p.strip() for p in args.parts.split(',') if p.strip())
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+      raise BadInput(f'--parts {args.parts}: unknown part(s) {unknown}; parts: {", ".join(PARTS)}')
+    pair = dataclasses.replace(pair, parts=parts)
   try:
     writing.record(pair, args.out, side=args.side)
   except (ValueError, files.RecordError) as e:
@@ -572,6 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
                          ' side against once it is deleted (docs/after-linen.md)')
   record.add_argument('--pair', required=True, metavar='FILE.py:NAME', help='the pair (a parity.Pair)')
   record.add_argument('--side', default='linen', choices=('linen',), help='the side recorded (default: linen)')
+  record.add_argument('--parts', default=None, metavar='PART,PART',
+                      help="the parts recorded (default: the pair's, every part it has)")
   record.add_argument('out', metavar='OUT', help='the record\'s directory (replaced once the record is complete)')
   record.set_defaults(func=cmd_record)
   scenarios = sub.add_parser('scenarios', help='list the scenarios')
