@@ -415,7 +415,8 @@ def model_pair(name: str, *, linen: nn.Module, nnx: Callable[..., nnx.Module] | 
                nnx_options: Mapping[str, Any] | None = None, **pair_options) -> adapter.Pair:
   """A `Pair` of a Linen and an NNX model, both sides' code written by the kit (docs/first-pair.md).
 
-  `linen=`/`nnx=` may be `parity.per_mesh(make)` for a model built with the mesh. Every other
+  `linen=`/`nnx=` may be `parity.per_mesh(make)` for a model built with the mesh; `linen=` may be
+  `parity.recorded(DIR)`, the record standing for a deleted Linen side (docs/after-linen.md). Every other
   keyword goes to `parity.Pair` (`steps`, `meshes`, `known_differences`, `saves` for a side whose
   own save code writes a tree of its own: docs/checkpoints.md)."""
   linen_call, nnx_call = cache_calls if cache_calls is not None else (None, None)
@@ -432,10 +433,11 @@ def model_pair(name: str, *, linen: nn.Module, nnx: Callable[..., nnx.Module] | 
     return codes[key]
 
   def make_sides(mesh):
-    nnx_code = code('nnx', nnx, lambda m: nnx_model(m, cache_call=nnx_call, **common), mesh)
     if hasattr(linen, 'side') and not isinstance(linen, (nn.Module, PerMesh)):  # parity.recorded(DIR)
+      nnx_code = code('nnx', nnx, lambda m: nnx_model(m, cache_call=nnx_call, **common), mesh)
       return linen.side(mesh), nnx_code.side(mesh, **side_rules, **(nnx_options or {}))
     linen_code = code('linen', linen, lambda m: linen_model(m, batch=batch, cache_call=linen_call, **common), mesh)
+    nnx_code = code('nnx', nnx, lambda m: nnx_model(m, cache_call=nnx_call, **common), mesh)
     return (linen_code.side(mesh, **side_rules, **(linen_options or {})),
             nnx_code.side(mesh, **side_rules, **(nnx_options or {})))
 

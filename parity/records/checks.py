@@ -67,6 +67,7 @@ def check(pair: adapter.Pair, part: str, **params: Any) -> list[str]:
     raise NotCheckable(f'{pair.name}: {part} is not checked against the record {record.name}: {CANNOT[part]}')
   if part not in ANYWHERE:
     _same_environment(pair, record_side)
+    _same_runs(pair, record)
   if part not in record.manifest['parts']:
     raise AssertionError(f'{pair.name}: the record {record.name} has no {part} (recorded:'
                          f' {", ".join(record.manifest["parts"])}); take it again with that part')
@@ -104,6 +105,17 @@ def _same_environment(pair: adapter.Pair, side: RecordedSide) -> None:
         ' compared here (the same program may round otherwise):\n  ' + '\n  '.join(differs)
         + '\nRun where it was taken, or take the record again here from the last code that has the Linen'
         ' side (`parity record --pair FILE.py:NAME --side linen DIR` at that commit; docs/after-linen.md)')
+
+
+def _same_runs(pair: adapter.Pair, record: Any) -> None:
+  """The pair asks for the runs the record holds: its seed and steps (a run of other length or
+  start would compare nothing that was recorded)."""
+  manifest = record.manifest
+  asked = [f'{what}={getattr(pair, what)!r} where the record was taken with {manifest[what]!r}'
+           for what in ('seed', 'steps') if getattr(pair, what) != manifest[what]]
+  if asked:
+    raise AssertionError(f'{pair.name}: the pair declares {"; ".join(asked)} ({record.name}): declare it as'
+                         ' recorded, or take the record again')
 
 
 def compare_entries(pair: adapter.Pair, where: str, what: str, recorded: Sequence[tuple[str, str, str]],
