@@ -202,3 +202,26 @@ def test_a_pair_with_a_value_bound_is_not_recorded(tmp_path):
   with pytest.raises(ValueError, match='a record keeps digests'):
     parity.record(pair, tmp_path / 'r', progress=None)
   assert not (tmp_path / 'r').exists()
+
+
+@pytest.mark.exhaustive
+def test_a_record_of_the_default_preset_is_under_a_mebibyte_and_replays(tmp_path):
+  """The reference decoder's `default` preset (1.1 B parameters) recorded from its shapes alone
+  (structure, specs, the train step's program and memory: nothing initialised or run), under
+  1 MiB; the NNX side, alone, then passes those parts against it."""
+  from bridge.sides import RULES, NnxSide, make_sides
+  from models import data
+  from models.config import get_configs
+
+  cfgs = get_configs('default', '01_baseline')
+  parts = ('structure', 'specs', 'program', 'memory')
+  pair = parity.Pair('decoder_default', lambda mesh: make_sides(*cfgs, mesh),
+                     lambda step, split='train': data.make_batch(*cfgs, step=step, split=split), parts=parts)
+  record = parity.record(pair, tmp_path / 'default', progress=None)
+  assert record.manifest['abstract'] and not (record.directory / record_files.START).exists()
+  assert record_files.size(record.directory) < 1 << 20, record_files.size(record.directory)
+  baseline = parity.recorded(record.directory)
+  after = parity.Pair('decoder_default_after_linen', lambda mesh: (baseline.side(mesh), NnxSide(*cfgs, mesh, tuple(RULES))),
+                      pair.batch, parts=parts)
+  for part in parts:
+    recorded_checks.check(after, part)

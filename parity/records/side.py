@@ -78,6 +78,9 @@ class RecordedSide:
       raise files.RecordError(f'record {self.record.name}: taken with seed {self.record.manifest["seed"]},'
                               f' asked for seed {seed}: declare the pair with seed={self.record.manifest["seed"]}'
                               ' or take the record again')
+    if self.record.manifest.get('abstract'):  # recorded from shapes alone: the state's shapes
+      return {path: jax.ShapeDtypeStruct(*parse_kind(kind)) for path, kind, _ in
+              self.record.table('structure')['checkpoint layout']}
     # On a device, as the deleted side's init left it (committed arrays: a host array would lower
     # the live side's step with other sharding annotations); the live side places it from there.
     return jax.device_put(self.record.start(), jax.devices()[0])

@@ -17,6 +17,11 @@ from parity.pairs import adapter
 from parity.records import environment
 from parity.records import files
 from parity.records import results
+from parity.run import runner
+
+# The parts that run the side (the others read its shapes, specs and program).
+RUNNING = ('init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'convert', 'mesh', 'localize',
+           'substitution', 'decode')
 
 # A record keeps the common start's values (every recorded run begins there); above this it
 # refuses, as a record is made to be committed: record a smaller configuration of the model.
@@ -45,14 +50,17 @@ def record(pair: adapter.Pair, out: str | os.PathLike, side: str = 'linen', *,
   say = progress or (lambda line: None)
   runs = shared._runs(pair)
   linen, live = runs.sides()
-  start = runs.start('linen')
+  wanted = set(pair.parts) if pair.parts is not None else None
+  # Parts that run nothing (structure, specs, program, memory) are recorded from shapes alone, as
+  # `eval_shape` gives them: a preset too large to run is recorded without its start.
+  abstract = wanted is not None and not wanted & set(RUNNING)
+  start = linen.abstract_checkpoint() if abstract else runs.start('linen')
   size = sum(int(x.size) * x.dtype.itemsize for x in start.values())
-  if size > MAX_START_BYTES:
+  if size > MAX_START_BYTES and not abstract:
     raise ValueError(
         f'{pair.name}: the common start is {size:,} B, over the {MAX_START_BYTES:,} B a record keeps of'
         ' it (every recorded run begins there): record a smaller configuration of the model, as the'
         ' battery runs one')
-  wanted = set(pair.parts) if pair.parts is not None else None
   recorded: list[str] = []
   writer = files.Writer(out)
   try:
@@ -63,16 +71,15 @@ def record(pair: adapter.Pair, out: str | os.PathLike, side: str = 'linen', *,
         recorded.append(name)
       return take
 
-    abstract = linen.abstract_checkpoint()
     writer.table('structure', {'checkpoint layout': [
-        (path, results.digests.kind(x), '-') for path, x in sorted(abstract.items())]})
+        (path, results.digests.kind(x), '-') for path, x in sorted(linen.abstract_checkpoint().items())]})
     recorded.append('structure')
-    writer.start(jax.device_get(start))
+    if not abstract:
+      writer.start(jax.device_get(start))
     writer.table('specs', {'logical': [
         (path, '-', json.dumps(list(spec))) for path, spec in sorted(linen.param_specs().items())]})
     if part('specs') and not pair.activations_resolved:
-      table, = specs.activation_tables(pair, (linen,), [linen.from_checkpoint(start)], runs.batch(0),
-                                       runs.dropout_base())
+      table, = specs.activation_tables(pair, (linen,), [_state(linen, start)], runs.batch(0), runs.dropout_base())
       writer.activations(table)
     if part('init'):
       writer.table('init', {'own init': results.init(runs, 'linen')})
@@ -89,7 +96,8 @@ def record(pair: adapter.Pair, out: str | os.PathLike, side: str = 'linen', *,
       writer.table('mesh', {spec: results.mesh(runs, 'linen', spec) for spec in pair.meshes})
     program = None
     if part('program') | part('memory'):
-      step = runs.compiled('linen')
+      step = runner.compile_step(linen, _state(linen, start), runs.batch(0), runs.dropout_base()) if abstract \
+          else runs.compiled('linen')
       writer.program(step.compared_text, programs.canonicalize(step.compared_text, step.argument_names))
       program = {'argument_names': step.argument_names, 'allowed_applied': step.allowed_applied,
                  'memory': step.memory(jax.devices()[0])}
@@ -102,6 +110,7 @@ def record(pair: adapter.Pair, out: str | os.PathLike, side: str = 'linen', *,
         'decode': None if pair.decode is None else {
             'steps': pair.decode.steps, 'temperatures': list(pair.decode.temperatures)},
         'parts': sorted(set(recorded)),
+        'abstract': abstract,
         'rules': None if getattr(linen, 'rules', None) is None else [list(r) for r in linen.rules],
         'adopted': live.adopted() if hasattr(live, 'adopted') else None,
         'program': program,
@@ -113,3 +122,19 @@ def record(pair: adapter.Pair, out: str | os.PathLike, side: str = 'linen', *,
     raise
   say(f'{pair.name}: {len(done.manifest["parts"])} parts recorded in {out} ({files.size(out):,} B)')
   return done
+
+
+def _state(side, start):
+  """The side's state from the common start, or from its shapes alone (an abstract record)."""
+  if all(isinstance(x, jax.ShapeDtypeStruct) for x in start.values()):
+    return abstract_state(side)
+  return side.from_checkpoint(start)
+
+
+def abstract_state(side):
+  """The side's state as shapes alone: its `template` (the stock and reference sides have one)."""
+  template = getattr(side, 'template', None)
+  if template is None:
+    raise ValueError(f'the {side.name} side ({type(side).__name__}) has no `template`, its state\'s shapes: record'
+                     ' it with a part that runs (init, grads, train), which starts from its values')
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)

@@ -449,7 +449,13 @@ class _Runs:
     recorded = getattr(side, 'recorded_step', None)  # a recorded side (parity/records/): its step as recorded
     if recorded is not None:
       return recorded()
-    state = side.from_checkpoint(self.start('linen'))
+    start = self.start('linen')
+    if all(isinstance(x, jax.ShapeDtypeStruct) for x in start.values()):  # a record of shapes alone
+      from parity.records import writing
+
+      state = writing.abstract_state(side)
+    else:
+      state = side.from_checkpoint(start)
     return runner.compile_step(side, state, self.batch(0), self.dropout_base())
 
 
