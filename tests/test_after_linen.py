@@ -225,3 +225,29 @@ def test_a_record_of_the_default_preset_is_under_a_mebibyte_and_replays(tmp_path
                       pair.batch, parts=parts)
   for part in parts:
     recorded_checks.check(after, part)
+
+
+@pytest.mark.xdist_group('parity-lm_model_level')
+def test_a_linen_checkpoint_converts_to_nnx_with_only_the_record_and_the_nnx_side(lm_record, tmp_path, monkeypatch):
+  """A checkpoint the Linen code saved before it was deleted is read by the record's layout of it and
+  converted through the NNX side alone: the same NNX checkpoint as the live pair converts it to."""
+  import orbax.checkpoint as ocp
+
+  from parity.battery.checks import shared
+  from parity.store.convert import ConvertError
+
+  linen = shared._runs(lm_pairs.lm_model_level).side('linen')
+  saver = ocp.StandardCheckpointer()  # the Linen training code's own save of its TrainState
+  saver.save(tmp_path / 'linen', linen.init(3))
+  saver.wait_until_finished()
+  expected = parity.convert_checkpoint(lm_pairs.lm_model_level, tmp_path / 'linen', tmp_path / 'expected', 'nnx')
+  _without_linen(monkeypatch, 'models.linen.lm')
+  after = _lm_after_linen(lm_record.directory)
+  result = parity.convert_checkpoint(after, tmp_path / 'linen', tmp_path / 'nnx', 'nnx')
+  assert (result.source_format, result.target_format) == (expected.source_format, 'nnx'), result
+  diff = parity.compare_checkpoints(after, tmp_path / 'expected', tmp_path / 'nnx')
+  assert diff.equal and diff.compared == len(lm_record.table('structure')['checkpoint layout']), diff
+  with pytest.raises(ConvertError, match='needs the Linen side alive'):
+    parity.convert_checkpoint(after, tmp_path / 'nnx', tmp_path / 'back', 'linen')
+  with pytest.raises(ConvertError, match='--verify, which restores and trains both sides'):
+    parity.convert_checkpoint(after, tmp_path / 'linen', tmp_path / 'verified', 'nnx', verify=True)

@@ -23,6 +23,7 @@ CANONICAL = 'program.txt'  # its canonical form, to read and diff
 # One table per part: `key<TAB>dtype[shape]<TAB>value` lines.
 TABLES = ('structure', 'specs', 'init', 'grads', 'train', 'eval', 'decode', 'mesh')
 ACTIVATIONS = 'activations.jsonl'  # the train step's activation constraints, one row a line
+LAYOUTS = 'layouts.json'  # the side's own checkpoint layouts, leaf by leaf (`parity convert` reads them)
 
 
 class RecordError(ValueError):
@@ -98,6 +99,27 @@ class Record:
     except Exception as e:  # noqa: BLE001
       raise RecordError(f'record {path}: cannot be read ({type(e).__name__}: {e})') from None
 
+  def layouts(self) -> dict[str, Any]:
+    """The side's own checkpoint layouts by format (parity.store.pair_convert.layouts.Layout, without
+    the abstract tree: what converting a checkpoint of the deleted side reads)."""
+    from parity.store.pair_convert.layouts import Layout, Leaf
+
+    path = self._path(LAYOUTS)
+    try:
+      data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+      raise RecordError(f'record {path}: not JSON ({e})') from None
+
+    def keys(k):
+      return tuple((str(name), int(kind)) for name, kind in k)
+
+    return {fmt: Layout(
+        layout['role'], fmt,
+        tuple(Leaf(l['disk'], l['native'], l['checkpoint'], tuple(l['shape']), np.dtype(l['dtype']), keys(l['keys']),
+                   l['typed_key']) for l in layout['leaves']),
+        tuple((keys(k), t) for k, t in layout['empties']), tuple(keys(k) for k in layout['order']), None)
+        for fmt, layout in data.items()}
+
   def activations(self) -> list[dict[str, Any]]:
     path = self._path(ACTIVATIONS)
     try:
@@ -143,6 +165,16 @@ class Writer:
 
   def activations(self, rows: Sequence[Mapping[str, Any]]) -> None:
     (self.directory / ACTIVATIONS).write_text(''.join(json.dumps(r, sort_keys=True) + '\n' for r in rows))
+
+  def layouts(self, layouts: Mapping[str, Any]) -> None:
+    data = {fmt: {'role': layout.role,
+                  'leaves': [{'disk': l.disk, 'native': l.native, 'checkpoint': l.checkpoint, 'shape': list(l.shape),
+                              'dtype': np.dtype(l.dtype).name, 'keys': [list(k) for k in l.keys],
+                              'typed_key': l.typed_key} for l in layout.leaves],
+                  'empties': [[[list(k) for k in keys], t] for keys, t in layout.empties],
+                  'order': [[list(k) for k in keys] for keys in layout.order]}
+            for fmt, layout in layouts.items()}
+    (self.directory / LAYOUTS).write_text(json.dumps(data, indent=1) + '\n')
 
   def table(self, part: str, sections: Mapping[str, Sequence[tuple[str, str, str]]]) -> None:
     write_table(self.directory, part, sections)

@@ -134,6 +134,12 @@ class RecordedSide:
     return _Recorded(None, '', 0.0, 0.0, self.record.program(), list(program['argument_names']),
                      allowed_applied=bool(program['allowed_applied']))
 
+  def recorded_layouts(self) -> dict[str, Any]:
+    """The deleted side's own checkpoint layouts by format, as recorded (none: not recorded)."""
+    if not self.record.manifest.get('layouts'):
+      return {}
+    return self.record.layouts()
+
   # What would run the deleted side.
 
   def train_step(self, *args, **kwargs):

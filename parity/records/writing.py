@@ -74,6 +74,9 @@ def record(pair: adapter.Pair, out: str | os.PathLike, side: str = 'linen', *,
     writer.table('structure', {'checkpoint layout': [
         (path, results.digests.kind(x), '-') for path, x in sorted(linen.abstract_checkpoint().items())]})
     recorded.append('structure')
+    layouts = _own_layouts(pair, runs.sides())
+    if layouts:
+      writer.layouts(layouts)
     if not abstract:
       writer.start(jax.device_get(start))
     writer.table('specs', {'logical': [
@@ -111,6 +114,7 @@ def record(pair: adapter.Pair, out: str | os.PathLike, side: str = 'linen', *,
             'steps': pair.decode.steps, 'temperatures': list(pair.decode.temperatures)},
         'parts': sorted(set(recorded)),
         'abstract': abstract,
+        'layouts': sorted(layouts),
         'rules': None if getattr(linen, 'rules', None) is None else [list(r) for r in linen.rules],
         'adopted': live.adopted() if hasattr(live, 'adopted') else None,
         'program': program,
@@ -138,3 +142,15 @@ def abstract_state(side):
     raise ValueError(f'the {side.name} side ({type(side).__name__}) has no `template`, its state\'s shapes: record'
                      ' it with a part that runs (init, grads, train), which starts from its values')
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)
+
+
+def _own_layouts(pair, sides) -> dict:
+  """The Linen side's own checkpoint layouts (`parity convert` reads its checkpoints by them once it
+  is gone); none for a side whose state layout the converter cannot read (no `template`)."""
+  from parity.store.pair_convert import layouts
+
+  try:
+    found = layouts.pair_layouts(sides, getattr(pair, 'saves', None))
+  except layouts.ConvertError:
+    return {}
+  return {fmt: layout for fmt, layout in found.items() if layout.role == 'linen'}

@@ -60,6 +60,16 @@ def convert_checkpoint(
     raise ConvertError(f'target format {target_format!r} is not the {to} side\'s; its formats:'
                        f' {[f for f, r in SIDE_OF_FORMAT.items() if r == to]}')
   sides = tuple(sides) if sides is not None else pair_sides(pair, mesh)
+  if hasattr(sides[0], 'recorded_layouts'):  # the Linen side a record (parity/records/)
+    if to == 'linen' or verify:
+      raise ConvertError(
+          f'{pair.name}: the Linen side is a record ({sides[0].record.name}): a checkpoint of it is read by its'
+          ' recorded layout and converted to NNX; '
+          + ('writing one for Linen' if to == 'linen' else '--verify, which restores and trains both sides,')
+          + ' needs the Linen side alive')
+    if not sides[0].recorded_layouts():
+      raise ConvertError(f'{pair.name}: the record {sides[0].record.name} keeps no checkpoint layout of the Linen'
+                         ' side (its side had no `template` when recorded): nothing to read a checkpoint by')
   layouts = pair_layouts(sides, getattr(pair, 'saves', None))
   if target_format not in layouts:
     if target_format in OWN_FORMATS:

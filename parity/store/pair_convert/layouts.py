@@ -161,14 +161,25 @@ def pair_layouts(sides: Sequence[Any], saves: Mapping[str, Any] | None = None) -
   FORMATS (`linen-unboxed` only where it differs from `linen`)."""
   from parity.store import own_layout
 
+  # A record standing for the deleted Linen side (parity/records/) gives that side's layouts as recorded.
+  recorded = getattr(sides[0], 'recorded_layouts', None)
+  recorded = None if recorded is None else recorded()
   out = {}
   for role, save in sorted((saves or {}).items(), key=lambda kv: ROLES.index(kv[0]) if kv[0] in ROLES else -1):
     if role not in ROLES:
       raise ConvertError(f"Pair saves: keys are 'linen' and 'nnx', got {role!r}")
+    if role == 'linen' and recorded is not None:
+      continue
     out[own_layout.own_format(role)] = own_layout.own_layout(sides[ROLES.index(role)], role, save)
+  if recorded is not None:
+    out.update({fmt: layout for fmt, layout in recorded.items() if fmt in OWN_FORMATS})
   for fmt in FORMATS:
     role = SIDE_OF_FORMAT[fmt]
     side = sides[ROLES.index(role)]
+    if role == 'linen' and recorded is not None:
+      if fmt in recorded:
+        out[fmt] = recorded[fmt]
+      continue
     if fmt == 'linen-unboxed' and not hasattr(side, '_boxed_template'):
       continue
     layout = side_layout(side, role, fmt)
