@@ -111,6 +111,7 @@ def test_the_language_model_pair_passes_against_its_record_with_linen_gone(lm_re
   assert not failures, '\n'.join(failures)
   # The parts that need Linen alive say so, each: none passes unchecked.
   assert sorted({line.split(' ', 1)[0] for line in unchecked}) == ['checkpoints', 'convert', 'localize', 'resume']
+  assert not any("'nnx->nnx'" in line for line in unchecked), unchecked  # the NNX side's own round trip: checked
   assert all('is not checked against the record' in line for line in unchecked), unchecked
 
 
@@ -136,6 +137,11 @@ def test_a_norm_epsilon_changed_fails_naming_the_step_and_leaf(lm_record):
   assert 'train (from=linen) differs from the record' in message and 'first: step 0 loss' in message, message
   # Then each leaf of the final state that differs, by its path, with both digests.
   assert re.search(r'\n  final params/\S+: recorded float32\[\d', message) or 'final opt_state/0/mu/' in message, message
+  # The program part names the constant, and where the whole live program is written to diff.
+  with pytest.raises(AssertionError) as e:
+    recorded_checks.check(pair, 'program')
+  live = re.search(r'the recorded and the live one: diff (\S+) (\S+)$', str(e.value), re.M)
+  assert live and live.group(1).endswith('program.txt') and open(live.group(2)).read().startswith('module'), str(e.value)
 
 
 @pytest.mark.xdist_group('parity-lm_model_level')

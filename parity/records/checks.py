@@ -35,6 +35,7 @@ CANNOT = {
 }
 SHOWN = 12  # the differing entries a failure lists
 
+CANNOT_LINEN_ALONE = 'the Linen side\'s own save and restore needs that side alive'
 # The parts whose results do not depend on the environment's bits.
 ANYWHERE = ('structure', 'specs')
 
@@ -63,8 +64,15 @@ def check(pair: adapter.Pair, part: str, **params: Any) -> list[str]:
   runs = _runs(pair)
   record_side = runs.sides()[0]
   record = record_side.record
+  direction = params.get('direction')
+  if part == 'checkpoints' and direction == 'nnx->nnx':  # the live side alone: its own round trip
+    _same_environment(pair, record_side)
+    battery.check_checkpoint(pair, direction)
+    return [f'checkpoints ({direction}): the NNX side\'s own save and restore, from the recorded start']
   if part in CANNOT:
-    raise NotCheckable(f'{pair.name}: {part} is not checked against the record {record.name}: {CANNOT[part]}')
+    why = (CANNOT_LINEN_ALONE if direction == 'linen->linen' else CANNOT[part])
+    raise NotCheckable(f'{pair.name}: {part}{f" ({direction})" if direction else ""} is not checked against the'
+                       f' record {record.name}: {why}')
   if part not in ANYWHERE:
     _same_environment(pair, record_side)
     _same_runs(pair, record)
@@ -77,7 +85,10 @@ def check(pair: adapter.Pair, part: str, **params: Any) -> list[str]:
   if part == 'specs':
     return battery.check_specs(pair)
   if part == 'program':
-    return battery.check_program(pair)
+    try:
+      return battery.check_program(pair)
+    except AssertionError as e:
+      raise AssertionError(f'{e}\n{_live_program_line(runs, record)}') from None
   if part == 'memory':
     return battery.check_memory(pair)
   if part == 'init':
@@ -170,3 +181,18 @@ def _check_init(pair: adapter.Pair, runs: Any, record: Any) -> list[str]:
         f' beyond what random initialisers explain ({len(problems)} leaves; recorded vs live):\n  '
         + '\n  '.join(problems[:50]))
   return []
+
+
+def _live_program_line(runs: Any, record: Any) -> str:
+  """Where the live side's canonical program is written, to diff against the record's."""
+  import tempfile
+
+  from parity.compare import programs
+  from parity.records import files
+
+  step = runs.compiled('nnx')
+  path = tempfile.NamedTemporaryFile('w', prefix='parity-live-program-', suffix='.txt', delete=False).name
+  with open(path, 'w') as f:
+    f.write(programs.canonicalize(step.compared_text, step.argument_names))
+  return (f'the whole canonical programs, the recorded and the live one: diff {record.directory / files.CANONICAL}'
+          f' {path}')

@@ -166,8 +166,17 @@ class RecordedSide:
 
 def recorded(directory: str | os.PathLike) -> 'Recorded':
   """A record standing for the deleted Linen side: `make_sides` returns `(record.side(mesh), nnx side)`,
-  or `parity.model_pair(linen=parity.recorded(DIR), ...)` (docs/after-linen.md)."""
-  return Recorded(os.fspath(directory))
+  or `parity.model_pair(linen=parity.recorded(DIR), ...)` (docs/after-linen.md). A relative
+  `directory` is read from the directory of the file that calls this (the pair's file), as a
+  test's data files are, wherever pytest runs from."""
+  import sys
+
+  directory = os.fspath(directory)
+  if not os.path.isabs(directory):
+    caller = sys._getframe(1).f_code.co_filename  # pylint: disable=protected-access
+    if os.path.isfile(caller):
+      directory = os.path.join(os.path.dirname(os.path.abspath(caller)), directory)
+  return Recorded(os.path.abspath(directory))
 
 
 @dataclasses.dataclass(frozen=True)

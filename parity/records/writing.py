@@ -73,6 +73,7 @@ def record(pair: adapter.Pair, out: str | os.PathLike, side: str = 'linen', *,
 
     writer.table('structure', {'checkpoint layout': [
         (path, results.digests.kind(x), '-') for path, x in sorted(linen.abstract_checkpoint().items())]})
+    say('structure')
     recorded.append('structure')
     layouts = _own_layouts(pair, runs.sides())
     if layouts:
