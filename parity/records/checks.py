@@ -83,7 +83,14 @@ def check(pair: adapter.Pair, part: str, **params: Any) -> list[str]:
     battery.check_structure(pair)
     return []
   if part == 'specs':
-    return battery.check_specs(pair)
+    notes = battery.check_specs(pair)
+    table = record.table('specs')
+    for spec in pair.meshes:  # where each leaf is placed on each mesh, before anything runs
+      if f'physical {spec}' in table:
+        compare_entries(pair, record.name, f'the state\'s placement on {spec}', table[f'physical {spec}'],
+                        results.physical(runs, 'nnx', spec))
+        notes.append(f'state placement on {spec}: {len(table[f"physical {spec}"])} leaves as recorded')
+    return notes
   if part == 'program':
     try:
       return battery.check_program(pair)
@@ -139,7 +146,7 @@ def compare_entries(pair: adapter.Pair, where: str, what: str, recorded: Sequenc
   for key, kind, value in recorded:
     if key not in got:
       problems.append(f'{key}: recorded ({kind} {value}), not in the live run')
-    elif got[key] != (kind, value):
+    elif (got[key][0], _bits(got[key][1])) != (kind, _bits(value)):
       problems.append(f'{key}: recorded {kind} {value}, live {got[key][0]} {got[key][1]}')
   problems += [f'{key}: in the live run ({kind} {value}), not recorded' for key, kind, value in live if key not in kept]
   if problems:
@@ -148,6 +155,11 @@ def compare_entries(pair: adapter.Pair, where: str, what: str, recorded: Sequenc
         f' first: {problems[0]}\n  ' + '\n  '.join(problems[1:SHOWN])
         + (f'\n  ... and {len(problems) - SHOWN} more (the record\'s {where}/*.txt tables, one line per entry)'
            if len(problems) > SHOWN else ''))
+
+
+def _bits(value: str) -> str:
+  """What an entry's value is compared by: its bits or digest (a scalar's number after them is for reading)."""
+  return value.split(' ', 1)[0]
 
 
 def _check_init(pair: adapter.Pair, runs: Any, record: Any) -> list[str]:
@@ -167,7 +179,7 @@ def _check_init(pair: adapter.Pair, runs: Any, record: Any) -> list[str]:
     if kind != live_kind:
       problems.append(f'{key}: recorded {kind}, live {live_kind}')
     elif a is None or b is None:
-      if value != live_value:
+      if _bits(value) != _bits(live_value):
         which = ' and '.join(n for n, s in (('recorded', a), ('live', b)) if s is None)
         problems.append(f'{key}: recorded {value}, live {live_value} (not random in {which}: compared bit for bit)')
     else:

@@ -37,7 +37,7 @@ def scalar_bits(x: Any) -> str:
   """A scalar's raw bits in hex, and its value, as a line shows it (`0x3f800000 (1.0)`)."""
   arr = _host(x)
   bits = bitwise.raw_bits(arr).reshape(-1)
-  return f'0x{int(bits[0]):0{2 * arr.dtype.itemsize}x} ({arr.reshape(-1)[0]!r})'
+  return f'0x{int(bits[0]):0{2 * arr.dtype.itemsize}x} ({arr.reshape(-1)[0]})'
 
 
 def value(x: Any) -> str:

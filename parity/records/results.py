@@ -119,3 +119,13 @@ def parse_stats(value: str) -> tuple[int, float, float] | None:
     return None
   fields = dict(item.split('=', 1) for item in value.split()[1:])
   return int(fields['n']), float.fromhex(fields['mean']), float.fromhex(fields['std'])
+
+
+def physical(runs: Any, side_name: str, mesh_spec: str) -> list[Entry]:
+  """Where the side places each leaf of its state on the mesh (its target shardings), before anything runs."""
+  side = runs.side(side_name, mesh_spec)
+  out = []
+  for path, x in sorted(side.abstract_checkpoint().items()):
+    spec = getattr(getattr(x, 'sharding', None), 'spec', None)
+    out.append((path, digests.kind(x), 'replicated' if spec is None else str(tuple(spec))))
+  return out

@@ -81,7 +81,8 @@ def record(pair: adapter.Pair, out: str | os.PathLike, side: str = 'linen', *,
     if not abstract:
       writer.start(jax.device_get(start))
     writer.table('specs', {'logical': [
-        (path, '-', json.dumps(list(spec))) for path, spec in sorted(linen.param_specs().items())]})
+        (path, '-', json.dumps(list(spec))) for path, spec in sorted(linen.param_specs().items())],
+        **{f'physical {spec}': results.physical(runs, 'linen', spec) for spec in pair.meshes}})
     if part('specs') and not pair.activations_resolved:
       table, = specs.activation_tables(pair, (linen,), [_state(linen, start)], runs.batch(0), runs.dropout_base())
       writer.activations(table)
