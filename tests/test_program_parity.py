@@ -205,3 +205,18 @@ def test_a_loop_inside_a_declared_module_is_that_modules_own():
   assert undeclared.identical and 'carries the same 5 values in another order' in undeclared.loop_order
   declared = programs.diff(linen, nnx_, **names, opaque_modules=('RNN_0',))
   assert declared.identical and declared.loop_order == ''
+
+
+def test_where_the_programs_part_shows_an_attribute_far_along_its_line():
+  """A convolution dilated otherwise: the operation's line is long and its value names (hashes of
+  what it computes) differ from the first characters, so the lines where the programs part are
+  shown from where the operation itself differs, the dilation, not cut before it."""
+  def program(dilation):
+    def f(x, w):
+      return jax.lax.conv_general_dilated(x, w, (1, 1), 'SAME', rhs_dilation=(dilation, dilation))
+    return jax.jit(f).lower(jnp.ones((1, 3, 16, 16)), jnp.ones((4, 3, 3, 3))).as_text()
+
+  d = programs.diff(program(1), program(2), linen_args=['x', 'w'], nnx_args=['x', 'w'])
+  assert not d.identical
+  assert any('rhs_dilate = [1, 1]' in line for line in d.parting_linen), d.parting_linen
+  assert any('rhs_dilate = [2, 2]' in line for line in d.parting_nnx), d.parting_nnx

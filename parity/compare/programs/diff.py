@@ -80,6 +80,27 @@ def _first_difference(a: str, b: str) -> int:
   return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def _parting_shown(linen: list[str], nnx: list[str], width: int) -> dict[str, list[str]]:
+  """The lines where the programs part, each side's k-th clipped around where its operation differs
+  from the other side's k-th: past the value names (hashes of what they compute, which differ
+  wherever anything does), so an attribute far along a long line shows."""
+  def rhs_start(line):
+    lhs, sep, _ = line.partition(' = ')
+    return len(lhs) + len(sep) if sep else 0
+
+  starts = []
+  for k in range(max(len(linen), len(nnx))):
+    if k < len(linen) and k < len(nnx):
+      x, y = linen[k], nnx[k]
+      i, j = rhs_start(x), rhs_start(y)
+      at = _first_difference(x[i:], y[j:])
+      starts.append((i + at, j + at))
+    else:
+      starts.append((0, 0))
+  return {'parting_linen': [_clip(line, width, starts[k][0]) for k, line in enumerate(linen)],
+          'parting_nnx': [_clip(line, width, starts[k][1]) for k, line in enumerate(nnx)]}
+
+
 _CALL = re.compile(r'\bcall @')  # `call @f...` and `func.call @f...`
 
 
@@ -192,8 +213,7 @@ def diff(
   return ProgramDiff(
       False, i1 + 1, len(a), len(b), changed, '\n'.join(lines),
       first_linen=_clip(first_a, width, start), first_nnx=_clip(first_b, width, start),
-      parting_linen=[_clip(a[i].strip(), width) for i in parting[0]],
-      parting_nnx=[_clip(b[i].strip(), width) for i in parting[1]],
+      **_parting_shown([a[i].strip() for i in parting[0]], [b[i].strip() for i in parting[1]], width),
       allowed=allowed_names,
       loop_growth=loop_carry_growth(linen_text, nnx_text, linen_args, nnx_args),
       value_changes=changes, reshapes=reshapes,
