@@ -660,3 +660,13 @@ def step_argument_names(
     names[index] = path
   names += [f'batch/{key}' for key in sorted(batch)] + ['dropout_base']
   return [names[i] for i in compat.kept_argument_indices(lowered, len(names))]
+
+
+def abstract_state(side: Side) -> Any:
+  """The side's state as shapes alone: its `template` (the stock and reference sides have one)."""
+  template = getattr(side, 'template', None)
+  if template is None:
+    raise ValueError(f'the {side.name} side ({type(side).__name__}) has no `template`, its state\'s shapes: record'
+                     ' it with a part that runs (init, grads, train), which starts from its values')
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)
+

@@ -133,17 +133,8 @@ def record(pair: adapter.Pair, out: str | os.PathLike, side: str = 'linen', *,
 def _state(side, start):
   """The side's state from the common start, or from its shapes alone (an abstract record)."""
   if all(isinstance(x, jax.ShapeDtypeStruct) for x in start.values()):
-    return abstract_state(side)
+    return adapter.abstract_state(side)
   return side.from_checkpoint(start)
-
-
-def abstract_state(side):
-  """The side's state as shapes alone: its `template` (the stock and reference sides have one)."""
-  template = getattr(side, 'template', None)
-  if template is None:
-    raise ValueError(f'the {side.name} side ({type(side).__name__}) has no `template`, its state\'s shapes: record'
-                     ' it with a part that runs (init, grads, train), which starts from its values')
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)
 
 
 def _own_layouts(pair, sides) -> dict:

@@ -451,9 +451,7 @@ class _Runs:
       return recorded()
     start = self.start('linen')
     if all(isinstance(x, jax.ShapeDtypeStruct) for x in start.values()):  # a record of shapes alone
-      from parity.records import writing
-
-      state = writing.abstract_state(side)
+      state = adapter.abstract_state(side)
     else:
       state = side.from_checkpoint(start)
     return runner.compile_step(side, state, self.batch(0), self.dropout_base())
