@@ -256,9 +256,11 @@ def test_a_linen_checkpoint_converts_to_nnx_with_only_the_record_and_the_nnx_sid
   from parity.battery.checks import shared
   from parity.store.convert import ConvertError
 
-  linen = shared._runs(lm_pairs.lm_model_level).side('linen')
-  saver = ocp.StandardCheckpointer()  # the Linen training code's own save of its TrainState
-  saver.save(tmp_path / 'linen', linen.init(3))
+  # A trained state (every leaf its own numbers, unlike a fresh norm's ones and zeros), as the
+  # Linen training code's own save of its TrainState writes it.
+  *_, trained = shared._runs(lm_pairs.lm_model_level).trajectory('linen', 'linen')
+  saver = ocp.StandardCheckpointer()
+  saver.save(tmp_path / 'linen', trained)
   saver.wait_until_finished()
   expected = parity.convert_checkpoint(lm_pairs.lm_model_level, tmp_path / 'linen', tmp_path / 'expected', 'nnx')
   _without_linen(monkeypatch, 'models.linen.lm')
@@ -271,3 +273,17 @@ def test_a_linen_checkpoint_converts_to_nnx_with_only_the_record_and_the_nnx_sid
     parity.convert_checkpoint(after, tmp_path / 'nnx', tmp_path / 'back', 'linen')
   with pytest.raises(ConvertError, match='--verify, which restores and trains both sides'):
     parity.convert_checkpoint(after, tmp_path / 'linen', tmp_path / 'verified', 'nnx', verify=True)
+
+
+@pytest.mark.xdist_group('parity-lm_model_level')
+def test_an_initialiser_of_another_scale_fails_the_init_part_naming_the_leaf(lm_record):
+  """The init part against the recorded Linen init: a kernel drawn at twice the scale is another
+  distribution, named by its leaf (the record keeps each random leaf's count, mean and std)."""
+  def make(rngs):
+    model = nnx_lm.LanguageModel(lm_pairs.CFG, rngs=rngs)
+    kernel = model.blocks[0].mlp.linear1.kernel
+    kernel[...] = kernel[...] * 2
+    return model
+
+  with pytest.raises(AssertionError, match=r'init params/DecoderBlock_0/MlpBlock_0/Dense_0/kernel: another distribution'):
+    recorded_checks.check(_lm_after_linen(lm_record.directory, make=make), 'init')

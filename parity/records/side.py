@@ -63,7 +63,7 @@ class RecordedSide:
     """Gives the live side what it took from the deleted side when the record was taken."""
     adopted = self.record.manifest.get('adopted')
     if adopted is not None and hasattr(live, 'adopt_recorded'):
-      live.adopt_recorded(adopted)
+      live.adopt_recorded({name: _tuples(value) for name, value in adopted.items()})  # JSON's lists as tuples
 
   def _refuse(self, member: str):
     raise NotRecorded(

@@ -141,13 +141,10 @@ class StockNnx(_Stock):
     return out
 
   def adopt_recorded(self, adopted: Mapping[str, Any]) -> None:
-    """Takes in place what `adopted()` gave, read back from a record (lists made tuples again),
-    before first use: the Linen side's correspondence and dropout draws without the Linen side."""
-    def tuples(x):
-      return tuple(tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
-
+    """Takes in place what `adopted()` gave (as tuples), read back from a record, before first use:
+    the Linen side's correspondence and dropout draws without the Linen side."""
     for name in self.ADOPTED:
-      value = tuples(adopted[name])
+      value = adopted[name]
       object.__setattr__(self, name, bridge_stock.Renames(value) if name == 'renames' else value)
     object.__setattr__(self, 'infer_renames', False)
 
