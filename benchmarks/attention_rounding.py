@@ -30,7 +30,7 @@ With a dropout rate above 0, NNX computes Linen's formula itself.
 
 Measured (2 heads of 32 features, batch 2, 8 positions; an x86-64 CPU): differences at
 head_dim 1, 2, 8 and 32 with dropout_rate 0, none at 4, 16 and 64, none with a dropout rate
-above 0, none with the substitute (the table is in docs/plugin.md, "Stock attention").
+above 0, none with the substitute (the table is in docs/howto-differences.md, "Stock attention").
 """
 from __future__ import annotations
 

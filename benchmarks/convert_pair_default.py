@@ -27,9 +27,10 @@
 Needs about 3x the checkpoint size free on the scratch disk (40 GB for 16
 layers); `--layers` shrinks the model for a quick trial. Goals: peak resident
 memory of the converting process under a quarter of the checkpoint's size
-(the issue's bound; exit 1 otherwise), and, as for `parity convert`
-(benchmarks/convert_default.py), convert time at most 2x the copy time and
-peak memory growth at most 2 GiB (about one largest array, never the model).
+(the issue's bound; exit 1 otherwise), convert time at most 2x the copy time
+and peak memory growth at most 2 GiB (about one box plus one largest array,
+never the model). `parity convert` without `--pair` runs this same converter
+through the reference decoder's pair of `--preset` and `--scenario`.
 """
 from __future__ import annotations
 
@@ -142,8 +143,8 @@ def _values(path: str, shape, dtype, gen: np.random.Generator) -> np.ndarray:
 def write_source(directory: str, zarr3: bool) -> int:
   """The Linen side's TrainState as StandardCheckpointer saves it from an fsdp=8 run; returns its bytes."""
   from parity.core import specs
-  from parity.store import convert
   from parity.store import pair_convert
+  from parity.store.pair_convert import streaming
 
   linen, _ = _sides(specs.make_mesh('fsdp=8'))
   layout = pair_convert.side_layout(linen, 'linen', 'linen')
@@ -156,14 +157,14 @@ def write_source(directory: str, zarr3: bool) -> int:
     sharding = shardings.get(leaf.checkpoint)
     chunk = tuple(sharding.shard_shape(shape)) if sharding is not None else shape
     boxes = ((box, _values(leaf.disk, tuple(b.stop - b.start for b in box), dtype, gen))
-             for box in convert._boxes(shape, chunk))
+             for box in streaming._boxes(shape, chunk))
     writer.write(leaf.disk, shape, dtype, chunk, boxes, {'value_type': 'jax.Array', 'skip_deserialize': False})
     jobs.append(pair_convert._Job(leaf, None))
     total += math.prod(shape) * dtype.itemsize
     print(f'  wrote {leaf.disk} {dtype.name}{list(shape)}', flush=True)
   writer.finish_as(layout, {})
   pair_convert._write_array_metadatas(directory, jobs, writer)
-  convert.write_step_metadata(directory, [], base={
+  streaming.write_step_metadata(directory, [], base={
       'item_handlers': HANDLER, 'metrics': {}, 'performance_metrics': {}, 'init_timestamp_nsecs': time.time_ns()})
   return total
 

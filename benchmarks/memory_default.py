@@ -38,7 +38,8 @@ def main() -> int:
 
   from parity.core import specs
   from models.config import get_configs
-  from parity.run import runner
+  from parity.run import compiling
+  from parity.run import verdicts
   from bridge.sides import abstract_step_inputs, make_sides
 
   model_cfg, train_cfg = get_configs(args.preset, args.scenario)
@@ -55,14 +56,14 @@ def main() -> int:
           lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, side.state_shardings
       )
     start = time.perf_counter()
-    compiled[side.name] = runner.compile_step(side, state, batch, key)
+    compiled[side.name] = compiling.compile_step(side, state, batch, key)
     memory = compiled[side.name].memory(device)
     print(f'{side.name:5}: compiled in {time.perf_counter() - start:.1f} s; ' + ', '.join(
-        f'{field} {memory[field]:,}' for field in runner.MEMORY_FIELDS), flush=True)
+        f'{field} {memory[field]:,}' for field in verdicts.MEMORY_FIELDS), flush=True)
   linen_memory, nnx_memory = (compiled[n].memory(device) for n in ('linen', 'nnx'))
-  drift = runner.memory_drift(linen_memory, nnx_memory)
+  drift = verdicts.memory_drift(linen_memory, nnx_memory)
   print('memory: ' + ('equal to the byte' if not drift else 'differs (NNX ' + ', '.join(drift) + ')'))
-  diff = runner.program_diff_of(compiled['linen'], compiled['nnx'])
+  diff = compiling.program_diff_of(compiled['linen'], compiled['nnx'])
   print(diff.summary())
   return 0 if not drift and diff.identical else 1
 

@@ -6,6 +6,7 @@ so a project's own `models` or `bridge` package never shadows the kit.
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Callable
 
@@ -17,10 +18,13 @@ from bridge.flops import train_step_flops
 from bridge.sides import abstract_step_inputs, make_sides
 from models import config, data
 from models.config import ModelConfig, TrainConfig
+from bridge import decode as bridge_decode
 from parity.compare import activations
+from parity.pairs.adapter import Decode, Pair
 from parity.core import paths, specs
 from parity.core.errors import BadInput
-from parity.run.runner import CompareResult, SideRun, compare_sides
+from parity.run.runner import compare_pair
+from parity.run.verdicts import CompareResult, SideRun
 
 SCENARIOS = config.SCENARIOS
 replace = config.replace
@@ -44,9 +48,55 @@ def layout_difference(model_cfg) -> str | None:
   )
 
 
+STEPS = 10  # a side-by-side run's default length (`parity compare --steps`)
+DECODE_PROMPT, DECODE_STEPS = 16, 32  # `parity compare --decode`: tokens of an eval batch's prompt, tokens decoded
+
+
+def pair(preset: str = 'tiny', scenario: str = '01_baseline', seed: int = 0) -> Pair:
+  """The reference decoder of one preset and scenario, declared as any user's pair.
+
+  `parity compare`, `parity convert` and the battery (tests/test_decoder_pairs.py)
+  run the decoder through it: its sides (bridge/sides.py), its batches
+  (models/data.py, which depend on the seed), decoding after a 16-token
+  prompt, and the report's facts (configs, analytic FLOPs, a layout that
+  stacks layers on another axis by design).
+  """
+  model_cfg, train_cfg = configs(preset, scenario)
+  return pair_of(model_cfg, replace(train_cfg, seed=seed), f'decoder_{preset}_{scenario}', (preset, scenario))
+
+
+def pair_of(model_cfg: ModelConfig, train_cfg: TrainConfig, name: str = 'decoder',
+            title: tuple[str, str] | None = None) -> Pair:
+  """The reference decoder of any configs as a pair (`pair` names a preset and scenario's)."""
+  return Pair(
+      name,
+      functools.partial(_pair_sides, model_cfg, train_cfg),
+      functools.partial(_pair_batch, model_cfg, train_cfg),
+      steps=STEPS,
+      seed=train_cfg.seed,
+      decode=Decode(prompt=lambda batch: batch['inputs'][:, :DECODE_PROMPT], steps=DECODE_STEPS),
+      facts=functools.partial(_facts, title, model_cfg, train_cfg),
+  )
+
+
+def _pair_sides(model_cfg, train_cfg, mesh):
+  # The decoder's rules and its KV cache's (decoding places the cache by them).
+  return make_sides(model_cfg, train_cfg, mesh, specs.DEFAULT_RULES + bridge_decode.CACHE_RULES)
+
+
+def _pair_batch(model_cfg, train_cfg, step, split='train'):
+  return data.make_batch(model_cfg, train_cfg, step=step, split=split)
+
+
+def _facts(title, model_cfg, train_cfg) -> dict[str, Any]:
+  return dict(title=title, model_cfg=model_cfg, train_cfg=train_cfg,
+              flops=train_step_flops(model_cfg, train_cfg), layout_difference=layout_difference(model_cfg))
+
+
 def sides_for(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: jax.sharding.Mesh | None):
-  """Both sides of a config (`make_sides` keeps them per process, with their compilations)."""
-  return make_sides(model_cfg, train_cfg, mesh)
+  """Both sides of a config, as its pair makes them (`make_sides` keeps them per process, with
+  their compilations)."""
+  return _pair_sides(model_cfg, train_cfg, mesh)
 
 
 def run_compare(
@@ -56,29 +106,10 @@ def run_compare(
     seed: int = 0,
     init_side: str = 'linen',
     on_step: Callable[[int, SideRun, SideRun], None] | None = None,
-    *,
-    mesh: jax.sharding.Mesh | None = None,
     **kwargs,
 ) -> CompareResult:
-  """The reference decoder's two sides of one config, compared (see `compare_sides`)."""
-  result = compare_sides(
-      sides_for(model_cfg, train_cfg, mesh),
-      lambda step: data.make_batch(model_cfg, train_cfg, step),
-      steps, seed, init_side, on_step, mesh=mesh, **kwargs,
-  )
-  result.model_cfg, result.train_cfg = model_cfg, train_cfg
-  result.flops = train_step_flops(model_cfg, train_cfg)
-  result.layout_difference = layout_difference(model_cfg)
-  return result
-
-
-
-DECODE_PROMPT = 16  # tokens of an eval batch's inputs that `parity compare --decode` decodes after
-
-
-def decode_prompt(model_cfg, train_cfg):
-  """The prompt `parity compare --decode N` decodes after: the first tokens of an eval batch."""
-  return data.make_batch(model_cfg, train_cfg, 0, 'eval')['inputs'][:, :DECODE_PROMPT]
+  """The reference decoder's two sides of one config compared, through its pair (`compare_pair`)."""
+  return compare_pair(pair_of(model_cfg, train_cfg), steps, seed=seed, init_side=init_side, on_step=on_step, **kwargs)
 
 
 def check_against_config(linen_tree, model_cfg, train_cfg, what: str) -> None:

@@ -113,7 +113,7 @@ class LmConfig:
   head_dim = emb_dim // num_heads (16): Linen's attention divides the query by
   sqrt(head_dim), NNX's stock one (jax.nn.dot_product_attention) multiplies the
   logits by 1/sqrt(head_dim) and lays its sums out otherwise, which can round
-  otherwise at any head_dim (docs/plugin.md, "Stock attention").
+  otherwise at any head_dim (docs/howto-differences.md, "Stock attention").
   """
 
   vocab_size: int = 64

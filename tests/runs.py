@@ -22,10 +22,10 @@ from models import data, rng
 from models.config import SCENARIOS, ModelConfig, TrainConfig, get_configs
 from parity.procs import distributed
 from parity.compare import programs
-from parity.run import runner
+from parity.run import compiling
 from parity.compare.programs import sharding_annotations
 from bridge.reference import run_compare
-from parity.run.runner import CompareResult
+from parity.run.verdicts import CompareResult
 from bridge.sides import RULES, make_sides
 
 STEPS = 10
@@ -130,7 +130,7 @@ def train_on_mesh(
   # (parity/run/runner.py): what these tests check is the program it runs.
   batches = [linen.place_batch(data.make_batch(model_cfg, train_cfg, s)) for s in range(steps)]
   compiled = [
-      runner.compile_step(side, state, batches[0], base)
+      compiling.compile_step(side, state, batches[0], base)
       for side, state in ((linen, linen_state), (nnx_side, nnx_state))
   ]
   annotations = tuple(sharding_annotations(c.text, True) for c in compiled)
@@ -159,7 +159,7 @@ def train_on_mesh(
           annotations[1],
       ),
       memory=(compiled[0].memory(device), compiled[1].memory(device)),
-      program_diff=runner.program_diff_of(*compiled),
+      program_diff=compiling.program_diff_of(*compiled),
       batch_shardings=(compiled[0].batch_sharding, compiled[1].batch_sharding),
       side_batch_sharding=None if mesh is None else linen.batch_sharding,
       main_signatures=tuple(

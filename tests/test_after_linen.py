@@ -254,7 +254,7 @@ def test_a_linen_checkpoint_converts_to_nnx_with_only_the_record_and_the_nnx_sid
   import orbax.checkpoint as ocp
 
   from parity.battery.checks import shared
-  from parity.store.convert import ConvertError
+  from parity.store.pair_convert.atomic import ConvertError
 
   # A trained state (every leaf its own numbers, unlike a fresh norm's ones and zeros), as the
   # Linen training code's own save of its TrainState writes it.

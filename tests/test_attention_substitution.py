@@ -1,7 +1,7 @@
 """flax's stock attentions, Linen's against NNX's, with no change to either model.
 
 `nn.MultiHeadDotProductAttention` and `nnx.MultiHeadAttention`, each left with flax's defaults,
-round otherwise (benchmarks/attention_rounding.py; docs/plugin.md, "Stock attention"). Declared
+round otherwise (benchmarks/attention_rounding.py; docs/howto-differences.md, "Stock attention"). Declared
 with the kit's stand-in as its substitute, the kit gives the NNX model's stock attention Linen's
 formula in every part (train, eval, checkpoints, mesh, memory, program, the localizer), and the
 pair declared here passes its whole battery bit for bit (the plugin generates it). Undeclared, the

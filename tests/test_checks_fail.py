@@ -22,7 +22,7 @@ from flax import nnx
 
 import parity
 from parity.battery import checks
-from parity.run import runner
+from parity.run import compiling, runner
 from tests import small_pairs
 
 pytestmark = pytest.mark.xdist_group('parity-checks-fail')
@@ -230,7 +230,7 @@ def test_declared_resolved_activations_with_no_constraint_compare_nothing_and_fa
 
 def test_memory_not_measured_compares_nothing_and_fails(monkeypatch):
   """A backend without XLA's memory analysis."""
-  monkeypatch.setattr(runner, 'memory_of', lambda executable, device: {})
+  monkeypatch.setattr(compiling, 'memory_of', lambda executable, device: {})
   message = _failure(checks.check_memory, _pair('base'))
   assert message.startswith('base: XLA memory analysis not measured on cpu'), message
   assert 'nothing compared' in message, message
@@ -314,7 +314,7 @@ def test_state_only_nnx_keeps_undeclared_fails_the_structure_and_checkpoints():
 def test_state_only_nnx_keeps_is_accounted_to_the_byte_where_no_program_is_compared():
   """`parity compare --no-program-check` (or a pair whose parts leave 'program' out): NNX's step
   has no comparison lowering, so its memory is accounted by taking the state's bytes, and their
-  entries in the output table, off NNX's arguments and outputs (runner.without_nnx_only's other
+  entries in the output table, off NNX's arguments and outputs (compiling.without_nnx_only's other
   branch, which the battery's memory part does not take)."""
   from parity.pairs import adapter
 

@@ -101,7 +101,6 @@ def test_compare_reports_bit_identical(capsys, tmp_path):
 def test_compare_exits_1_and_says_where_the_sides_diverge(capsys, monkeypatch, tmp_path):
   """The NNX side receives a state with the embedding nudged: a real divergence at step 0."""
   from bridge import reference
-  from parity.run import runner
 
   class Nudged:
     """The NNX side, receiving the state with its embedding scaled by 1.01."""
@@ -116,9 +115,9 @@ def test_compare_exits_1_and_says_where_the_sides_diverge(capsys, monkeypatch, t
       path = 'params/params/token_embedder/embedding'
       return self._side.from_checkpoint({**flat, path: flat[path] * 1.01})
 
-  sides_for = reference.sides_for
+  pair_sides = reference._pair_sides  # what the reference decoder's pair makes its sides with
   monkeypatch.setattr(
-      reference, 'sides_for', lambda *a: (lambda l, n: (l, Nudged(n)))(*sides_for(*a))
+      reference, '_pair_sides', lambda *a: (lambda l, n: (l, Nudged(n)))(*pair_sides(*a))
   )
   report = tmp_path / 'report.json'
   assert cli.main(['compare', '--steps', '2', '--json', str(report)]) == 1
@@ -188,7 +187,6 @@ def test_readme_and_docs_parity_commands_parse_with_valid_values(path):
 
 def test_compare_out_of_memory_is_one_line_exit_2(capsys, monkeypatch):
   """An XLA out-of-memory error: one line naming the preset and the bytes asked for, exit 2."""
-  from bridge import reference
   from parity.run import runner
 
   def exhausted(*args, **kwargs):
@@ -197,7 +195,7 @@ def test_compare_out_of_memory_is_one_line_exit_2(capsys, monkeypatch):
         'BufferAssignment OOM Debugging. ...'
     )
 
-  monkeypatch.setattr(reference, 'run_compare', exhausted)
+  monkeypatch.setattr(runner, 'compare_pair', exhausted)
   assert cli.main(['compare', '--preset', 'default', '--steps', '1']) == 2
   err = capsys.readouterr().err
   assert err.count('\n') == 1 and 'Traceback' not in err
@@ -211,13 +209,12 @@ def test_compare_of_a_pair_refuses_the_decoders_options(option, capsys):
   pair = 'tests/test_family_classifier.py:classifier'
   assert cli.main(['compare', '--pair', pair, '--steps', '1', *option]) == 2
   err = capsys.readouterr().err
-  assert err.count('\n') == 1 and "choose the reference decoder's configuration" in err
+  assert err.count('\n') == 1 and "choose the reference decoder's pair" in err
 
 
 def test_compare_of_a_batch_the_mesh_cannot_split_is_a_usage_error(monkeypatch, capsys):
   """Exit 2 with the side's one-line message, not a traceback from inside jax."""
   from parity.pairs import adapter
-  from bridge import reference
   from parity.run import runner
 
   def unsplittable(*args, **kwargs):
@@ -231,13 +228,12 @@ def test_compare_of_a_batch_the_mesh_cannot_split_is_a_usage_error(monkeypatch, 
 
 
 def test_compare_other_errors_are_not_called_out_of_memory(monkeypatch):
-  from bridge import reference
   from parity.run import runner
 
   def broken(*args, **kwargs):
     raise RuntimeError('INTERNAL: something else')
 
-  monkeypatch.setattr(reference, 'run_compare', broken)
+  monkeypatch.setattr(runner, 'compare_pair', broken)
   with pytest.raises(RuntimeError, match='something else'):
     cli.main(['compare', '--steps', '1'])
 

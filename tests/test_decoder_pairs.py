@@ -16,43 +16,28 @@ Each pair's tests join its scenario's xdist group, so they reuse the sides
 """
 from __future__ import annotations
 
-import functools
 
-from parity import Decode, Pair
-from models import data
-from models.config import SCENARIOS, get_configs
-from bridge import decode as bridge_decode
-from bridge.sides import make_sides
-from parity.core import specs
+import dataclasses
 
-STEPS = 10  # as the runner's side-by-side runs (tests/runs.py)
+from bridge import reference
+from models.config import SCENARIOS
+from parity import Pair
+
 PARTS = ('structure', 'specs', 'init', 'grads', 'train', 'eval', 'checkpoints', 'resume')
 # The localizer on a scanned stack (probed through its unscanned twin) and on unscanned layers.
 LOCALIZED = ('01_baseline', '02_unscanned')
-# Decoding with the KV cache (a 16-token prompt, 32 tokens), greedy and sampled, one device and data=8.
+# Decoding with the KV cache (the pair's 16-token prompt, 32 tokens), greedy and sampled, one device and data=8.
 DECODED = ('01_baseline', '02_unscanned')
-DECODE_PROMPT, DECODE_STEPS = 16, 32
-
-
-def _sides(cfgs, mesh):
-  # The decoder's rules and its KV cache's (the decode part places the cache by them).
-  return make_sides(*cfgs, mesh, specs.DEFAULT_RULES + bridge_decode.CACHE_RULES)
-
-
-def _batch(cfgs, step, split='train'):
-  return data.make_batch(*cfgs, step=step, split=split)
 
 
 def _pair(scenario: str) -> Pair:
-  cfgs = get_configs('tiny', scenario)
-  return Pair(
-      f'decoder_{scenario}',
-      functools.partial(_sides, cfgs),
-      functools.partial(_batch, cfgs),
-      steps=STEPS,
+  # The reference decoder's own declaration (bridge/reference.py, what `parity compare` runs),
+  # its parts chosen for the battery: memory and program are test_program_parity.py's.
+  return dataclasses.replace(
+      reference.pair('tiny', scenario),
+      name=f'decoder_{scenario}',
       parts=PARTS + (('localize',) if scenario in LOCALIZED else ()) + (('decode',) if scenario in DECODED else ()),
       group=scenario,
-      decode=Decode(prompt=lambda batch: batch['inputs'][:, :DECODE_PROMPT], steps=DECODE_STEPS),
   )
 
 

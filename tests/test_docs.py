@@ -69,7 +69,32 @@ def _makefile_targets() -> set[str]:
 
 def test_there_are_docs_pages():
   names = {p.name for p in PAGES}
-  assert {'README.md', 'plugin.md', 'cli.md'} <= names, names
+  assert {'README.md', 'plugin.md', 'cli.md', 'reference-sides.md', 'reference-tests.md', 'reference-dropout.md',
+          'howto-stock-sides.md', 'howto-mesh.md', 'howto-cache.md', 'howto-differences.md'} <= names, names
+
+
+KINDS = ('Tutorial', 'How-to', 'Reference', 'Explanation')
+
+
+def test_the_docs_index_lists_every_page_once_under_its_kind():
+  """docs/README.md is the index in four kinds, one line per page: every page under docs/ is there once."""
+  text = (REPO / 'docs' / 'README.md').read_text()
+  headings = re.findall(r'^## (.+)$', text, flags=re.M)
+  assert tuple(headings) == KINDS, headings
+  rows = [line for line in text.splitlines() if line.startswith('| [')]
+  listed = [re.match(r'^\| \[[^\]]+\]\(([^)#]+)\)', row).group(1) for row in rows]
+  pages = sorted(p.name for p in PAGES if p.name != 'README.md')
+  assert sorted(listed) == pages, (sorted(listed), pages)
+
+
+def test_the_plugin_page_is_a_map_of_at_most_150_lines():
+  """docs/plugin.md is the overview and the map; the reference and the how-tos live on their own pages."""
+  text = (REPO / 'docs' / 'plugin.md').read_text()
+  assert text.count('\n') <= 150, text.count('\n')
+  linked = set(_links(REPO / 'docs' / 'plugin.md'))
+  for page in ('reference-sides.md', 'reference-tests.md', 'reference-dropout.md', 'howto-stock-sides.md',
+               'howto-mesh.md', 'howto-cache.md', 'howto-differences.md', 'howto-modes.md', 'howto-rng-streams.md'):
+    assert page in linked, page
 
 
 @pytest.mark.parametrize('path', DOCS, ids=IDS)
@@ -149,11 +174,11 @@ def test_docs_make_commands_name_makefile_targets(path):
       assert not unknown, f'{path.name}:{line}: {command!r}: no Makefile target {unknown}; targets: {sorted(targets)}'
 
 
-def test_the_plugin_page_shows_the_language_models_glue_as_it_is():
-  """docs/plugin.md copies the worked example's glue: it must be the file's, verbatim."""
+def test_the_worked_example_page_shows_the_language_models_glue_as_it_is():
+  """docs/howto-stock-sides.md copies the worked example's glue: it must be the file's, verbatim."""
   source = (REPO / 'tests' / 'test_family_lm.py').read_text()
   glue = source.split('# --- glue ---\n', 1)[1].split('# --- end of glue ---', 1)[0].strip()
-  assert glue in (REPO / 'docs' / 'plugin.md').read_text()
+  assert glue in (REPO / 'docs' / 'howto-stock-sides.md').read_text()
 
 
 def _block(path: pathlib.Path, start: str, end: str) -> str:
@@ -202,4 +227,4 @@ def test_docs_code_shown_as_a_files_is_in_that_file_verbatim():
       for piece in text.strip().split('\n\n\n'):
         assert piece.strip() in source, f'{path.name}:{line}: not in {match.group(1)} as shown:\n{piece}'
         shown += 1
-  assert shown >= 8, shown  # docs/plugin.md shows the language model's steps, both sides'
+  assert shown >= 8, shown  # docs/howto-stock-sides.md shows the language model's steps, both sides'

@@ -28,7 +28,7 @@ from models.families import ClassifierConfig, classifier_batch
 from models.linen import classifier as linen_classifier
 from models.nnx import classifier as nnx_classifier
 from parity.pairs import adapter
-from parity.run import runner
+from parity.run import compiling, runner
 from tests import ema
 
 CFG = ClassifierConfig()
@@ -160,7 +160,7 @@ def test_the_memory_check_fails_when_nothing_is_measured(monkeypatch):
   from parity.battery import checks as battery
 
   battery.check_memory(classifier)  # measured here: passes
-  monkeypatch.setattr(runner, 'memory_of', lambda executable, device: {})
+  monkeypatch.setattr(compiling, 'memory_of', lambda executable, device: {})
   with pytest.raises(AssertionError, match='memory analysis not measured'):
     battery.check_memory(classifier)
 

@@ -70,6 +70,10 @@ def test_a_keyword_the_model_does_not_take_is_named_at_create():
   with pytest.raises(TypeError, match=r"NnxMLP.__call__ takes no `deterministic`, which the train or eval mode"
                                       r" passes: give the model's own \(mode='train'"):
     side.create(0)
+  # NNX's own idiom is named too: a new user's port that switches by model.eval() met this message.
+  with pytest.raises(TypeError, match=r"model.train\(\)/model.eval\(\), as NNX ports do: mode=parity.Modes\(linen='train',"
+                                      r" nnx='eval\(\)'\)"):
+    side.create(0)
   side = parity.linen_side(LinenMLP(), inputs=lambda batch: batch['x'], loss=loss, optimizer=optax.adam(1e-3),
                            batch=batch, dropout='dropout_key')
   with pytest.raises(TypeError, match=r"LinenMLP.__call__ takes no `dropout_key`, which dropout='dropout_key'"

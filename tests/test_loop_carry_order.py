@@ -7,7 +7,7 @@ canonical program orders every loop's carried values by what they are
 (`programs._Canonicalizer._carry_classes`), so such loops compare as the same
 program, while a carried value computed otherwise, of another dtype, or
 missing is still a difference. Small jitted functions, lowered only, through
-the entry point the battery's program part uses (`runner.program_diff_of`).
+the entry point the battery's program part uses (`compiling.program_diff_of`).
 """
 import itertools
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from parity.compare import programs
-from parity.run import runner
+from parity.run import compiling
 
 NAMES = ['w', 'v', 'xs']
 
@@ -47,8 +47,8 @@ def _scan(order: str, b_update: str = '+1', s_dtype: str = 'float32', extra: boo
 def _diff(linen: str, nnx_: str) -> programs.ProgramDiff:
   """The two programs compared as the battery's program part compares two train steps."""
   def step(text):
-    return runner.CompiledStep(None, text, 0.0, 0.0, text, NAMES)
-  return runner.program_diff_of(step(linen), step(nnx_))
+    return compiling.CompiledStep(None, text, 0.0, 0.0, text, NAMES)
+  return compiling.program_diff_of(step(linen), step(nnx_))
 
 
 @pytest.mark.parametrize('order', ['tnsba', 'nbtas'])

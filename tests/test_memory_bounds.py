@@ -6,7 +6,7 @@ import pytest
 
 import parity
 from parity.pairs import adapter
-from parity.run import runner
+from parity.run import verdicts
 
 MESH = {'data': 2, 'stage': 1, 'fsdp': 2, 'tensor': 2}
 ON_MESH = 'cpu@data=2,fsdp=2,tensor=2'
@@ -50,9 +50,9 @@ def test_each_bound_admits_and_is_held_tight_where_it_is_measured():
   the mesh's bound is loose against a mesh that moves 1,000 B, and the fix names the mesh."""
   known = _declared({'cpu': 1024, ON_MESH: 4352})
   linen = _memory(1000)
-  assert runner.declared_memory_admits(known, linen, _memory(1000 + 4352), ON_MESH)
-  assert not runner.declared_memory_admits(known, linen, _memory(1000 + 4352), 'cpu')
-  assert runner.declared_memory_admits(known, linen, _memory(1000 + 1024), 'cpu')
+  assert verdicts.declared_memory_admits(known, linen, _memory(1000 + 4352), ON_MESH)
+  assert not verdicts.declared_memory_admits(known, linen, _memory(1000 + 4352), 'cpu')
+  assert verdicts.declared_memory_admits(known, linen, _memory(1000 + 1024), 'cpu')
   assert known.loose_structure('memory', 4352, ON_MESH) == ''
   assert known.loose_structure('memory', 1024, 'cpu') == ''
   loose = known.loose_structure('memory', 1000, ON_MESH)
@@ -62,13 +62,13 @@ def test_each_bound_admits_and_is_held_tight_where_it_is_measured():
 def test_a_compare_result_on_a_mesh_reads_the_meshs_bound():
   """`parity compare --mesh`: the result's memory verdict reads the bound of the mesh it ran on."""
   known = _declared({'cpu': 1024, ON_MESH: 4352})
-  steps = [runner.SideRun(name, memory=m) for name, m in (('linen', _memory(1000)), ('nnx', _memory(5352)))]
-  result = runner.CompareResult(steps=1, init_side='linen', linen=steps[0], nnx=steps[1], first_divergent_step=None,
+  steps = [verdicts.SideRun(name, memory=m) for name, m in (('linen', _memory(1000)), ('nnx', _memory(5352)))]
+  result = verdicts.CompareResult(steps=1, init_side='linen', linen=steps[0], nnx=steps[1], first_divergent_step=None,
                                 state_diffs=[], metric_diffs=[], seed=0, mesh_shape=MESH, platform='cpu',
                                 declared_program_difference=known)
   assert result.memory_verdict.startswith('differs within the declared bound'), result.memory_verdict
   assert 'at most 4,352 B of temporaries' in result.memory_verdict
-  one_device = runner.CompareResult(steps=1, init_side='linen', linen=steps[0], nnx=steps[1], first_divergent_step=None,
+  one_device = verdicts.CompareResult(steps=1, init_side='linen', linen=steps[0], nnx=steps[1], first_divergent_step=None,
                                     state_diffs=[], metric_diffs=[], seed=0, platform='cpu',
                                     declared_program_difference=known)
   assert one_device.memory_verdict.startswith('differs (NNX'), one_device.memory_verdict

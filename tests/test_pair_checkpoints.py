@@ -28,7 +28,7 @@ from parity.core import rng
 from parity.core.errors import TreeMismatchError
 from parity.run import cli
 from parity.store import pair_convert
-from parity.store.convert import ConvertError
+from parity.store.pair_convert.atomic import ConvertError
 from tests import checkpoint_pairs as tiny_pairs
 
 # One worker runs them: they share the module's checkpoints and the tiny pair's compiled steps.
@@ -392,7 +392,7 @@ BAD = {
     'half_written': ('is half-written: _CHECKPOINT_METADATA is missing', 'half_written'),
     'unfinished': ('is an unfinished Orbax save', 'linen.orbax-checkpoint-tmp-1234'),
     'not_a_checkpoint': ('is not an Orbax checkpoint: neither a StandardCheckpointer directory', 'not_a_checkpoint'),
-    'dst_exists': ('exists; a conversion writes a new checkpoint', 'dst'),
+    'dst_exists': ('is not empty; pass --overwrite to replace it', 'dst'),
     'already_there': ("is already the linen side's checkpoint: nothing to convert", 'linen'),
 }
 
@@ -421,15 +421,18 @@ def test_bad_input_is_refused_naming_the_leaf_or_the_file_and_nothing_is_written
 
 
 def test_each_converters_options_are_refused_with_the_other(own, tmp_path, capsys):
+  """One converter: `--preset`/`--scenario` choose the reference decoder's pair, so not with `--pair`;
+  `--mesh` is `--verify`'s; the reference converter's `--layout` is gone (a pair's renames say it)."""
   root, _, _ = own
   dst = os.fspath(tmp_path / 'dst')
-  assert cli.main(['convert', os.fspath(root / 'linen'), dst, '--to', 'nnx', '--verify']) == 2
-  assert '--verify: only with --pair' in capsys.readouterr().err
   assert cli.main(['convert', '--pair', PAIR_SPEC, os.fspath(root / 'linen'), dst, '--to', 'nnx',
-                   '--layout', 'scan_axis0', '--overwrite']) == 2
-  assert '--layout, --overwrite: not with --pair' in capsys.readouterr().err
+                   '--preset', 'tiny']) == 2
+  assert "--preset and --scenario choose the reference decoder's pair" in capsys.readouterr().err
   assert cli.main(['convert', '--pair', PAIR_SPEC, os.fspath(root / 'linen'), dst, '--to', 'nnx', '--mesh', 'data=8']) == 2
   assert '--mesh: only with --verify' in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli.main(['convert', '--pair', PAIR_SPEC, os.fspath(root / 'linen'), dst, '--to', 'nnx', '--layout', 'scan_axis0'])
+  assert 'unrecognized arguments: --layout scan_axis0' in capsys.readouterr().err
   _nothing_written(dst)
 
 

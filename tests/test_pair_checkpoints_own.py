@@ -20,7 +20,7 @@ from parity.core import paths
 from parity.core import rng
 from parity.run import cli
 from parity.store import pair_convert
-from parity.store.convert import ConvertError
+from parity.store.pair_convert.atomic import ConvertError
 from tests import test_family_production as family
 
 # The production pair's steps, compiled once by its battery on this worker.

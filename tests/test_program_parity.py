@@ -22,7 +22,8 @@ from bridge.layout import layout_for
 from models import data, rng
 from models.config import SCENARIOS, get_configs
 from parity.compare import programs
-from parity.run import runner
+from parity.run import compiling
+from parity.run import verdicts
 from bridge.sides import make_sides
 from tests.runs import THREE_AXES, mesh_cases, mesh_run, tiny_run
 
@@ -40,8 +41,8 @@ def pytest_generate_tests(metafunc):
 
 
 def _check_memory(memory: tuple[dict, dict]) -> None:
-  assert all(memory[0].get(f) is not None for f in runner.MEMORY_FIELDS), memory[0]
-  assert runner.memory_drift(*memory) == []
+  assert all(memory[0].get(f) is not None for f in verdicts.MEMORY_FIELDS), memory[0]
+  assert verdicts.memory_drift(*memory) == []
 
 
 def _check_program(diff: programs.ProgramDiff) -> None:
@@ -77,8 +78,8 @@ def test_the_other_layout_is_a_stated_program_difference():
   assert 'axis 0' in result.expected_difference and result.same_program
   # Only temporaries may differ: the state the step reads and writes takes the same bytes.
   memory = (result.linen.memory, result.nnx.memory)
-  assert all(m.get(f) is not None for m in memory for f in runner.MEMORY_FIELDS), memory
-  assert runner.memory_drift(*memory, exclude=runner.LAYOUT_MOVE_MEMORY) == []
+  assert all(m.get(f) is not None for m in memory for f in verdicts.MEMORY_FIELDS), memory
+  assert verdicts.memory_drift(*memory, exclude=verdicts.LAYOUT_MOVE_MEMORY) == []
   # A state of other bytes would not pass as a layout move.
   grown = dict(result.nnx.memory, argument_bytes=result.nnx.memory['argument_bytes'] + 4)
   moved = dataclasses.replace(result, nnx=dataclasses.replace(result.nnx, memory=grown))
@@ -101,7 +102,7 @@ def test_fp8_under_rematerialisation_is_the_same_program(scanned):
   model_cfg = dataclasses.replace(model_cfg, quantization='fp8', remat_policy='full')
   batch = data.make_batch(model_cfg, train_cfg, 0)
   lowered = [
-      runner.comparison_lowering(side, jax.eval_shape(lambda: side.init(0)), batch, rng.base_key(0))
+      compiling.comparison_lowering(side, jax.eval_shape(lambda: side.init(0)), batch, rng.base_key(0))
       for side in make_sides(model_cfg, train_cfg)
   ]
   (linen_text, linen_args, _), (nnx_text, nnx_args, _) = lowered
@@ -118,14 +119,14 @@ def test_an_allowed_difference_is_listed_only_where_a_side_applied_it():
   linen, nnx_side = make_sides(model_cfg, train_cfg)
   for side, changed in ((linen, True), (nnx_side, False)):
     own = jax.eval_shape(lambda: side.init(0))
-    assert runner.state_changed(own, side.comparison_state(own)) is changed
+    assert compiling.state_changed(own, side.comparison_state(own)) is changed
 
   text = 'module @m {\n  func.func public @main(%arg0: tensor<f32>) -> tensor<f32> {\n    return %arg0 : tensor<f32>\n  }\n}'
   def step(applied):
-    return runner.CompiledStep(None, text, 0.0, 0.0, text, ['x'], allowed_applied=applied)
-  plain = runner.program_diff_of(step(False), step(False))
+    return compiling.CompiledStep(None, text, 0.0, 0.0, text, ['x'], allowed_applied=applied)
+  plain = compiling.program_diff_of(step(False), step(False))
   assert plain.identical and plain.allowed == [] and 'except' not in plain.summary()
-  applied = runner.program_diff_of(step(True), step(False))
+  applied = compiling.program_diff_of(step(True), step(False))
   assert applied.allowed == ALLOWED and 'except: step counter dtype' in applied.summary()
 
 

@@ -23,7 +23,9 @@ from parity.store import checkpoints
 from bridge import flops
 from parity.compare import programs
 from parity.run import report
+from parity.run import compiling
 from parity.run import runner
+from parity.run import verdicts
 from bridge import reference
 from bridge.sides import as_jax_batch
 from tests.runs import STEPS, tiny_run
@@ -89,7 +91,7 @@ def test_step_times_and_checkpoint_saves_are_timed_apart(tmp_path):
       assert step_end <= save_start or save_end <= step_start, 'a save inside a timed step'
   for name, step in [(e[1], e[2]) for e in events if e[0] == 'save']:
     assert events.index(('losses on host', step)) < events.index(('save', name, step))
-  for name in runner.SIDES:
+  for name in verdicts.SIDES:
     manager = checkpoints.open_manager(tmp_path / name, create=False)
     assert sorted(manager.all_steps()) == saved_after
     manager.close()
@@ -141,7 +143,7 @@ def test_analytic_flops_agree_with_xla_cost_analysis():
   linen, _ = reference.sides_for(model_cfg, train_cfg, None)
   state = linen.init(0)
   batch = as_jax_batch(data.make_batch(model_cfg, train_cfg, 0))
-  xla = runner.compile_step(linen, state, batch, rng.base_key(0), compare_program=False).cost_flops()
+  xla = compiling.compile_step(linen, state, batch, rng.base_key(0), compare_program=False).cost_flops()
   analytic = flops.train_step_flops(model_cfg, train_cfg)
   assert analytic.weights > 0 and analytic.attention > 0
   assert 1.0 <= xla / analytic.total <= 1.15, (xla, analytic.total)
@@ -153,10 +155,10 @@ def test_a_step_compiled_without_its_comparison_has_no_program_to_diff():
   model_cfg, train_cfg = get_configs('tiny', '02_unscanned')
   linen, _ = reference.sides_for(model_cfg, train_cfg, None)
   batch = as_jax_batch(data.make_batch(model_cfg, train_cfg, 0))
-  step = runner.compile_step(linen, linen.init(0), batch, rng.base_key(0), compare_program=False)
+  step = compiling.compile_step(linen, linen.init(0), batch, rng.base_key(0), compare_program=False)
   assert step.compared_text is None and step.argument_names is None
   with pytest.raises(ValueError, match='compare_program=True'):
-    runner.program_diff_of(step, step)
+    compiling.program_diff_of(step, step)
 
 
 # ---------------------------------------------------------------------------
@@ -510,8 +512,8 @@ def test_a_final_loss_that_differs_is_not_called_better():
   """A lower NNX loss is a divergence (e.g. a causal mask that lets a token see the next),
   not an improvement: the row says it differs."""
   losses = {'linen': [4.5, 4.25], 'nnx': [4.5, 4.0]}
-  linen, nnx_run = (runner.SideRun(losses=v, loss_hex=[runner.loss_hex(x) for x in v]) for v in losses.values())
-  diverged = runner.CompareResult(2, 'linen', linen, nnx_run, 1, [])
+  linen, nnx_run = (verdicts.SideRun(losses=v, loss_hex=[verdicts.loss_hex(x) for x in v]) for v in losses.values())
+  diverged = verdicts.CompareResult(2, 'linen', linen, nnx_run, 1, [])
   row = dict((r[0], r[1:]) for r in report.Report(diverged, 'pair x', '-', None).summary_rows())['Final loss']
   assert row[2] == '-2.500e-01 (-5.9%) differs', row
 
@@ -532,7 +534,7 @@ def test_progress_bar_on_a_terminal_and_plain_lines_otherwise():
     progress = report.Progress(2, stream)
     progress.phase('compiling')
     for step in range(2):
-      linen = runner.SideRun(result.linen.losses[:step + 1], result.linen.loss_hex[:step + 1],
+      linen = verdicts.SideRun(result.linen.losses[:step + 1], result.linen.loss_hex[:step + 1],
                              result.linen.step_times[:step + 1])
       progress.step(step, linen, linen)
     out = stream.getvalue()
@@ -560,8 +562,8 @@ def _declared_run(passes=('program',), changed=4, outside_identical=True, nnx_me
 
   declared = KnownDifference(('BatchNorm_0',), passes, 'lowers differently', max_changed_lines=10,
                              max_temp_bytes=max_temp_bytes)
-  return runner.CompareResult(
-      3, 'linen', runner.SideRun(memory=dict(MEMORY)), runner.SideRun(memory=dict(nnx_memory or MEMORY)),
+  return verdicts.CompareResult(
+      3, 'linen', verdicts.SideRun(memory=dict(MEMORY)), verdicts.SideRun(memory=dict(nnx_memory or MEMORY)),
       None, [],
       declared_program_difference=declared,
       program_diff=programs.ProgramDiff(False, 1, 10, 10, changed, diff),
@@ -599,9 +601,9 @@ def test_where_programs_part_outside_a_declared_difference_is_what_the_report_sh
 def test_the_average_and_the_median_step_leave_the_first_step_out():
   """Step 0 carries first-run effects (the run's first execution, a resume's restore):
   both summaries leave it out, as the report's note says."""
-  run = runner.SideRun(step_times=[9.0, 1.0, 2.0, 6.0])
+  run = verdicts.SideRun(step_times=[9.0, 1.0, 2.0, 6.0])
   assert (run.avg_step_s, run.median_step_s) == (3.0, 2.0)
-  one = runner.SideRun(step_times=[9.0])
+  one = verdicts.SideRun(step_times=[9.0])
   assert (one.avg_step_s, one.median_step_s) == (9.0, 9.0)
 
 
@@ -656,17 +658,17 @@ def test_a_declared_memory_difference_admits_temporaries_within_its_bound(nnx_ch
   `max_temp_bytes` each; arguments, outputs and aliased bytes stay equal to the byte."""
   result = _declared_run(('program', 'memory'), nnx_memory=dict(MEMORY, **nnx_change), max_temp_bytes=64)
   declared = result.declared_program_difference
-  assert runner.declared_memory_admits(declared, MEMORY, result.nnx.memory) is admitted
+  assert verdicts.declared_memory_admits(declared, MEMORY, result.nnx.memory) is admitted
   assert result.same_program is admitted
   assert result.memory_verdict.startswith('differs within the declared bound' if admitted else 'differs (NNX')
   # The same numbers without 'memory' in the declaration: not admitted.
   program_only = dataclasses.replace(declared, passes=('program',))
-  assert not runner.declared_memory_admits(program_only, MEMORY, result.nnx.memory)
+  assert not verdicts.declared_memory_admits(program_only, MEMORY, result.nnx.memory)
   assert not dataclasses.replace(result, declared_program_difference=program_only).same_program
   # By platform: the bound holds where it is named, and declares nothing elsewhere.
   by_platform = dataclasses.replace(declared, max_temp_bytes={'gpu': 64})
-  assert runner.declared_memory_admits(by_platform, MEMORY, result.nnx.memory, 'gpu') is admitted
-  assert not runner.declared_memory_admits(by_platform, MEMORY, result.nnx.memory, 'cpu')
+  assert verdicts.declared_memory_admits(by_platform, MEMORY, result.nnx.memory, 'gpu') is admitted
+  assert not verdicts.declared_memory_admits(by_platform, MEMORY, result.nnx.memory, 'cpu')
   assert by_platform.temp_bytes('gpu') == 64 and by_platform.temp_bytes('cpu') is None
   # The comparison's verdict reads the bound of the platform it ran on (the CPU here).
   for bound, holds in (({'cpu': 64}, admitted), ({'gpu': 64}, False)):

@@ -21,6 +21,7 @@ import pytest
 
 import parity
 from parity.battery import checks
+from parity.run import compiling
 from parity.run import runner
 from tests import small_pairs
 
@@ -39,7 +40,7 @@ def _declared(pair: parity.Pair, name: str, *known: parity.KnownDifference) -> p
 
 def _changed_lines(pair: parity.Pair) -> int:
   runs = checks._runs(pair)  # pylint: disable=protected-access
-  return runner.program_diff_of(runs.compiled('linen'), runs.compiled('nnx')).changed_lines
+  return compiling.program_diff_of(runs.compiled('linen'), runs.compiled('nnx')).changed_lines
 
 
 # --- 1. Specs without rules -------------------------------------------------------------

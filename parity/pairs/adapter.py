@@ -331,7 +331,7 @@ class KnownDifference:
       out.append(f'{what} has no substitution: a value bound is accepted only with `substitute=`, a'
                  f' make_sides(mesh) with the difference removed (e.g. the NNX module given the Linen'
                  f' function), under which the battery requires every value bit for bit (measured'
-                 f' maximum here: {measured} ULP; docs/plugin.md, "Declared differences")')
+                 f' maximum here: {measured} ULP; docs/howto-differences.md, "Declared differences")')
     if measured == 0:
       out.append(f'{what}: nothing differs under it (measured maximum 0 ULP): remove the declaration')
     elif self.max_ulp > TIGHTNESS * measured:
@@ -441,6 +441,9 @@ class Pair:
   # state saved in the Linen layout plus an `nnx_aux` subtree). Checkpoint conversion writes it and
   # reads it, the convert part saves with it (docs/howto-checkpoints.md).
   saves: Mapping[str, Callable[[Any], Any]] | None = None
+  # What `parity compare`'s report says of the model beyond what it measures: `facts()` returns a
+  # mapping with any of REPORT_FACTS (the reference decoder's: bridge/reference.py `pair`).
+  facts: Callable[[], Mapping[str, Any]] | None = None
 
   def mesh(self, spec: str) -> jax.sharding.Mesh:
     """The mesh of one of the pair's mesh specs, over every device: the pair's own factory's."""
@@ -558,7 +561,7 @@ def _in_place_substitutions(pair: 'Pair', nnx_side: Any) -> tuple[KnownDifferenc
         f' {substitutes.IN_PLACE[declared[0].substitute][0].__name__} modules'
         f' {substitutes.IN_PLACE[declared[0].substitute][1]}=parity.{declared[0].substitute.__name__} in'
         ' that side\'s create and remove the declaration, or build the side as a parity.StockNnx'
-        ' (docs/plugin.md, "Stock attention")')
+        ' (docs/howto-differences.md, "Stock attention")')
   nnx_side.adopt_substitutes(tuple(dict.fromkeys(d.substitute for d in declared)))
   return declared
 
@@ -596,7 +599,7 @@ def _check_substitutions(pair: 'Pair', nnx_side: Any, declared: tuple[KnownDiffe
           f' {"is" if len(undeclared) == 1 else "are"} declared by none: add them to the declaration\'s paths')
   if problems:
     raise SideError(f'{pair.name}: a declared substitution does not take effect as declared:\n  '
-                    + '\n  '.join(problems) + '\n(docs/plugin.md, "Stock attention")')
+                    + '\n  '.join(problems) + '\n(docs/howto-differences.md, "Stock attention")')
 
 
 def _states(found: Mapping[str, str]) -> str:

@@ -295,7 +295,9 @@ def _check_call(side: str, model: Any, train_kwargs: Mapping[str, Any], eval_kwa
     if not _takes(model, keyword):
       raise TypeError(f'{side}: {name} takes no `{keyword}`, which the train or eval mode passes: give the'
                       " model's own (mode='train': train=, mode='deterministic': deterministic=, mode=None:"
-                      ' neither; train_kwargs= and eval_kwargs= for any other)')
+                      ' neither; train_kwargs= and eval_kwargs= for any other; a side that switches by'
+                      " model.train()/model.eval(), as NNX ports do: mode=parity.Modes(linen='train',"
+                      " nnx='eval()'), docs/howto-modes.md)")
   if dropout is not None and not _takes(model, dropout):
     raise TypeError(f"{side}: {name} takes no `{dropout}`, which dropout={dropout!r} passes the step's dropout"
                     " key by: give dropout=None (no dropout), 'rngs' (Linen's rngs={'dropout': key}, NNX's"

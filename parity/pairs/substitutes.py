@@ -1,5 +1,5 @@
 """Stand-ins that make a stock NNX layer compute as its Linen counterpart: what a declared
-difference's `substitute=` gives the NNX side (docs/plugin.md, "Stock attention")."""
+difference's `substitute=` gives the NNX side (docs/howto-differences.md, "Stock attention")."""
 from __future__ import annotations
 
 from typing import Any
@@ -19,7 +19,7 @@ def linen_attention(query, key, value, bias=None, mask=None, *, is_causal=False,
   0.10.2), forward 47 to 451 ULP and parameter gradients up to 13,644 ULP at
   head_dim 1, 2, 8 and 32, nothing at 4, 16 and 64, where both scalings are
   exact and only the order of the sums can differ, as it did at head_dim 1 here
-  and at head_dim 16 on a user's setup (docs/plugin.md, "Stock attention";
+  and at head_dim 16 on a user's setup (docs/howto-differences.md, "Stock attention";
   benchmarks/attention_rounding.py). This keeps Linen's order. Declared as a
   `KnownDifference`'s `substitute=`, the kit gives it to the NNX model's stock
   attentions itself, in every part (`IN_PLACE`).

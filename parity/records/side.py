@@ -116,13 +116,13 @@ class RecordedSide:
     return [{**row, 'context': _tuples(row['context'])} for row in self.record.activations()]
 
   def recorded_step(self) -> Any:
-    """The train step as the program and memory parts read a compiled one (parity.run.runner.CompiledStep)."""
-    from parity.run import runner
+    """The train step as the program and memory parts read a compiled one (parity.run.compiling.CompiledStep)."""
+    from parity.run import compiling
 
     program = self.record.manifest['program']
     memory = dict(program['memory'])
 
-    class _Recorded(runner.CompiledStep):
+    class _Recorded(compiling.CompiledStep):
       def memory(self, device):
         del device
         return memory

@@ -17,7 +17,7 @@ from parity.pairs import adapter
 from parity.records import environment
 from parity.records import files
 from parity.records import results
-from parity.run import runner
+from parity.run import compiling
 
 # The parts that run the side (the others read its shapes, specs and program).
 RUNNING = ('init', 'grads', 'train', 'eval', 'checkpoints', 'resume', 'convert', 'mesh', 'localize',
@@ -101,7 +101,7 @@ def record(pair: adapter.Pair, out: str | os.PathLike, side: str = 'linen', *,
       writer.table('mesh', {spec: results.mesh(runs, 'linen', spec) for spec in pair.meshes})
     program = None
     if part('program') | part('memory'):
-      step = runner.compile_step(linen, _state(linen, start), runs.batch(0), runs.dropout_base()) if abstract \
+      step = compiling.compile_step(linen, _state(linen, start), runs.batch(0), runs.dropout_base()) if abstract \
           else runs.compiled('linen')
       writer.program(step.compared_text, programs.canonicalize(step.compared_text, step.argument_names))
       program = {'argument_names': step.argument_names, 'allowed_applied': step.allowed_applied,

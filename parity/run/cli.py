@@ -7,7 +7,6 @@ process of `--processes N` failed or hung.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from typing import Sequence
@@ -99,9 +98,7 @@ def _check_output(path: str | None, option: str) -> None:
 
 
 def cmd_compare(args) -> int:
-  if args.pair and (args.preset, args.scenario) != (None, None):
-    raise BadInput('--preset and --scenario choose the reference decoder\'s configuration;'
-                   ' a --pair brings its own model and data')
+  _refuse_reference_options(args)
   if args.resume_from is not None and args.init is not None:
     raise BadInput('--init chooses the side that initialises a fresh run; with --resume-from'
                    ' both sides restore the checkpoint')
@@ -109,19 +106,13 @@ def cmd_compare(args) -> int:
   args.scenario = args.scenario or '01_baseline'
   args.init = args.init or 'linen'
   if args.processes > 1 and not _in_worker():
-    if not args.pair:  # one message before any process starts where there is no reference
-      from parity.run.reference import reference_checkout
-      reference_checkout()
+    _the_pair(args)  # bad input (no pair, no reference) once, before any process starts
     return _launch_processes(args)
   from parity.core.errors import TreeMismatchError
   from parity.pairs import adapter
   from parity.run import report as report_lib
   from parity.run import runner
 
-  reference = None if args.pair else reference_decoder()
-  if reference is not None:
-    model_cfg, train_cfg = reference.configs(args.preset, args.scenario)
-    train_cfg = reference.replace(train_cfg, seed=args.seed)
   if args.steps < 1:
     raise BadInput(f'--steps must be at least 1, got {args.steps}')
   if args.decode < 0:
@@ -137,7 +128,7 @@ def cmd_compare(args) -> int:
       raise BadInput(
           "--plot needs matplotlib: pip install 'linen-nnx-parity[report]'"
       ) from None
-  pair = _load_pair(args.pair) if args.pair else None
+  pair = _the_pair(args)
   mesh = _mesh(args.mesh, pair)
 
   progress = report_lib.Progress(args.steps)
@@ -148,44 +139,31 @@ def cmd_compare(args) -> int:
       program_diff=not args.no_program_check,
   )
   if args.decode:
-    if pair is not None and pair.decode is None:
+    if pair.decode is None:
       raise BadInput(f'--decode: pair {pair.name} declares no decoding (Pair(decode=parity.Decode(...)))')
-    prompt = (reference.decode_prompt(model_cfg, train_cfg) if pair is None
-              else pair.decode.prompt(pair.batch(0, 'eval')))
-    options.update(decode_steps=args.decode, decode_prompt=prompt)
+    options.update(decode_steps=args.decode, decode_prompt=pair.decode.prompt(pair.batch(0, 'eval')))
   try:
-    if pair is None:
-      result = reference.run_compare(
-          model_cfg, train_cfg, args.steps, seed=args.seed, init_side=args.init, **options
-      )
-    else:
-      # The pair's parts choose what its comparison covers, as they choose its battery.
-      from parity.battery.parts import PARTS
+    # The pair's parts choose what its comparison covers, as they choose its battery.
+    from parity.battery.parts import PARTS
 
-      parts = set(PARTS if pair.parts is None else pair.parts)
-      options['program_diff'] = options['program_diff'] and 'program' in parts
-      sides = adapter.make_pair_sides(pair, mesh)
+    parts = set(PARTS if pair.parts is None else pair.parts)
+    sides = adapter.make_pair_sides(pair, mesh)
 
-      # Verdicts, not bad input: the sides are not the same program, so nothing is trained.
-      checks = [('states', lambda: adapter.check_structure(pair.name, *sides))]
-      if 'specs' in parts:  # the parameters' annotations, as the battery's specs part reads them
-        from parity.battery import checks as battery
+    # Verdicts, not bad input: the sides are not the same program, so nothing is trained.
+    checks = [('states', lambda: adapter.check_structure(pair.name, *sides))]
+    if 'specs' in parts:  # the parameters' annotations, as the battery's specs part reads them
+      from parity.battery import checks as battery
 
-        checks.append(('specs', lambda: battery.check_param_specs(pair, *sides)))
-      for what, check in checks:
-        try:
-          check()
-        except (TreeMismatchError, AssertionError) as e:
-          print(f'{e}\nverdict: {what.upper()} DIFFER (nothing trained)')
-          if args.json or args.markdown or args.plot:
-            print(f'parity: no report written: the {what} differ, so nothing was trained', file=sys.stderr)
-          return 1
-      result = runner.compare_sides(
-          sides, lambda step: pair.batch(step, 'train'), args.steps,
-          seed=args.seed, init_side=args.init,
-          declared_program_difference=pair.program_difference(),
-          compare_memory='memory' in parts, localize_divergence='localize' in parts, **options,
-      )
+      checks.append(('specs', lambda: battery.check_param_specs(pair, *sides)))
+    for what, check in checks:
+      try:
+        check()
+      except (TreeMismatchError, AssertionError) as e:
+        print(f'{e}\nverdict: {what.upper()} DIFFER (nothing trained)')
+        if args.json or args.markdown or args.plot:
+          print(f'parity: no report written: the {what} differ, so nothing was trained', file=sys.stderr)
+        return 1
+    result = runner.compare_pair(pair, args.steps, sides=sides, seed=args.seed, init_side=args.init, **options)
   except (adapter.BatchError, adapter.SideError) as e:
     raise BadInput(str(e)) from None
   except TreeMismatchError as e:  # the resumed checkpoint is not the state of these sides
@@ -197,10 +175,7 @@ def cmd_compare(args) -> int:
     if message is None:
       raise
     raise BadInput(message) from None
-  if pair is None:
-    report = report_lib.Report(result, args.preset, args.scenario, args.mesh)
-  else:
-    report = report_lib.Report(result, f'pair {pair.name}', '-', args.mesh)
+  report = report_lib.Report(result, *(result.title or (f'pair {pair.name}', '-')), args.mesh)
   import jax
 
   if jax.process_index() == 0:  # one report for the whole run
@@ -225,6 +200,20 @@ def cmd_compare(args) -> int:
           ' --numbers-only compares the numbers alone', file=sys.stderr)
     return 1
   return 0
+
+
+def _refuse_reference_options(args) -> None:
+  if args.pair and (args.preset, args.scenario) != (None, None):
+    raise BadInput("--preset and --scenario choose the reference decoder's pair;"
+                   ' a --pair brings its own model and data')
+
+
+def _the_pair(args):
+  """The pair a command runs: `--pair`'s, or the reference decoder's of `--preset` and
+  `--scenario` (bridge/reference.py `pair`; default tiny, 01_baseline)."""
+  if args.pair:
+    return _load_pair(args.pair)
+  return reference_decoder().pair(args.preset or 'tiny', args.scenario or '01_baseline', getattr(args, 'seed', 0))
 
 
 def _put_on_path(file: str) -> None:
@@ -398,36 +387,22 @@ def cmd_renames(args) -> int:
 
 
 def cmd_convert_any(args) -> int:
-  """`parity convert`: with `--pair`, a declared pair's own checkpoints (parity/store/pair_convert/);
-  without it, the reference layouts (parity/store/convert.py)."""
-  pair_only = [name for name, given in (('--verify', args.verify), ('--item', args.item),
-                                         ('--format', args.target_format), ('--mesh', args.mesh)) if given]
-  if not args.pair:
-    if pair_only:
-      raise BadInput(f'{", ".join(pair_only)}: only with --pair (a declared pair\'s own checkpoints)')
-    from parity.store import convert
-
-    return convert.cmd_convert(args)
-  return cmd_convert_pair(args)
+  """`parity convert`: a declared pair's own checkpoints (parity/store/pair_convert/); without `--pair`,
+  the reference decoder's pair of `--preset` and `--scenario`, through the same converter."""
+  _refuse_reference_options(args)
+  return cmd_convert_pair(args, _the_pair(args))
 
 
-def cmd_convert_pair(args) -> int:
-  """`parity convert --pair FILE.py:NAME SRC DST --to linen|nnx [--verify]`: exit 0 converted, 1
+def cmd_convert_pair(args, pair) -> int:
+  """`parity convert [--pair FILE.py:NAME] SRC DST --to linen|nnx [--verify]`: exit 0 converted, 1
   verification failed, 2 bad input (nothing written)."""
   from parity.core.errors import TreeMismatchError
   from parity.store import pair_convert
 
-  reference_only = [name for name, given in (('--layout', args.layout), ('--rules', args.rules),
-                                              ('--preset', args.preset), ('--scenario', args.scenario),
-                                              ('--overwrite', args.overwrite)) if given]
-  if reference_only:
-    raise BadInput(f'{", ".join(reference_only)}: not with --pair (the pair\'s correspondences give the'
-                   ' layout; DST must not exist)')
   if args.mesh and not args.verify:
     raise BadInput('--mesh: only with --verify (the conversion itself runs no step)')
   from parity.pairs import adapter
 
-  pair = _load_pair(args.pair)
   mesh = _mesh(args.mesh, pair)
   try:
     return pair_convert.command_convert(args, pair, mesh)
@@ -567,11 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
                             ' the JSON, to compare runs across process counts')
   compare.set_defaults(func=cmd_compare)
 
-  from parity.store.convert import add_convert_parser
   from parity.store import pair_convert
-  convert_parser = add_convert_parser(sub)
-  pair_convert.add_pair_options(convert_parser)
-  convert_parser.set_defaults(func=cmd_convert_any)
+  pair_convert.add_convert_parser(sub, cmd_convert_any)
   pair_convert.add_diff_parser(sub, cmd_diff_checkpoints)
   renames = sub.add_parser('renames', help="a pair's module correspondences (Linen path -> NNX path),"
                            ' inferred, printed as Python to paste and edit; exit 1 if some cannot be paired')

@@ -79,7 +79,7 @@ def _check_not_shadowed(root: pathlib.Path) -> None:
 
 
 def reference_decoder():
-  """The reference decoder's module (its `configs`, `run_compare`, `specs_command`, ...).
+  """The reference decoder's module (its `pair`, `configs`, `specs_command`, ...).
 
   Commands that need it (`specs`, `scenarios`, `compare` without `--pair`,
   `convert --preset`) fail as bad input where the kit does not run from a

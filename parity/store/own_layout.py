@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from parity.store.convert import ConvertError
+from parity.store.pair_convert.atomic import ConvertError
 
 # The primitives a saved leaf may pass through on its way from the state: a cast (a counter's
 # int32 on disk against NNX's uint32) and the copies jax inserts.

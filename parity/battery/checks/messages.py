@@ -15,7 +15,7 @@ def rnn_loop_line(named: str, where: str, path: str, broadcast: Any, scheme: Any
   filt = broadcast.__name__ if isinstance(broadcast, type) else repr(broadcast)
   head = (f"{named} draws from an RNG stream the NNX model keeps ({where}), in the cell of the nnx.RNN"
           f" at {path or 'the root'} (broadcast_rngs={filt})")
-  docs = ' (docs/plugin.md, "Stock dropout", recurrent dropout)'
+  docs = ' (docs/reference-dropout.md, "Recurrent dropout")'
   if scheme is None:
     return (head + ", whose filter takes the cell's RNG state in a way the kit does not map onto"
             " Linen's (other RNG state of the cell, or streams that fare otherwise than each other):"
@@ -45,8 +45,8 @@ def stock_attention_lines(module: str, modules: Sequence[str] = ()) -> list[str]
   return [f"{module} is flax's stock attention. With dropout_rate 0, nnx.MultiHeadAttention's default calls"
           ' jax.nn.dot_product_attention, which multiplies the logits by 1/sqrt(head_dim) after q.k and lays'
           " its contractions out otherwise; Linen's divides the query by sqrt(head_dim) before q.k. Its"
-          ' outputs and gradients can differ at any head_dim, a power of 4 too (docs/plugin.md, "Stock'
-          ' attention", has the figures); with a dropout rate above 0 NNX computes Linen\'s formula itself.'
+          ' outputs and gradients can differ at any head_dim, a power of 4 too (docs/howto-differences.md,'
+          ' "Stock attention", has the figures); with a dropout rate above 0 NNX computes Linen\'s formula itself.'
           " To keep the model as it is, declare the difference with the kit's stand-in as its substitute:"
           " the kit then gives every stock nnx.MultiHeadAttention of the NNX model Linen's formula in every"
           ' part, and compares them bit for bit:',

@@ -13,7 +13,7 @@ from parity.core import compat
 from parity.pairs import adapter
 from parity.pairs import correspond
 from parity.pairs import substitutes
-from parity.run import runner
+from parity.run import compiling
 
 
 def check_program(pair: adapter.Pair) -> list[str]:
@@ -21,7 +21,7 @@ def check_program(pair: adapter.Pair) -> list[str]:
   __tracebackhide__ = _battery_frames_hidden
   runs = _runs(pair)
   linen, nnx_ = runs.compiled('linen'), runs.compiled('nnx')
-  d = runner.program_diff_of(linen, nnx_)
+  d = compiling.program_diff_of(linen, nnx_)
   known = pair.program_difference()
   if known is not None and 'program' not in known.passes:  # a memory difference alone
     known = None
@@ -30,7 +30,7 @@ def check_program(pair: adapter.Pair) -> list[str]:
     assert not loose, f'{pair.name}: {loose}'
     return []
   # Confined to the declared modules: with their operations left out, the rest is identical.
-  outside = None if known is None else runner.program_diff_of(linen, nnx_, tuple(known.paths))
+  outside = None if known is None else compiling.program_diff_of(linen, nnx_, tuple(known.paths))
   if known is not None and outside is not None and outside.identical:
     # Confined to the declared modules: a constant or an operation that differs there is named as
     # what it is before the bound is weighed (a bug moves the line count either way).
@@ -45,7 +45,7 @@ def check_program(pair: adapter.Pair) -> list[str]:
           ' (a value reshaped otherwise), not other numbers. Where they part:\n  '
           + '\n  '.join(changed[:10]) + (f'\n  ... ({len(changed) - 10} more)' if len(changed) > 10 else '')
           + '\nA bug in those modules; or, where their numbers differ by design, a value bound on them with its'
-          ' substitution (docs/plugin.md, "A value bound is proven and tight")')
+          ' substitution (docs/howto-differences.md, "A value bound is proven and tight")')
   if known is not None and known.admits_program(d, outside):
     loose = known.loose_structure('program', d.changed_lines)
     assert not loose, f'{pair.name}: {loose}'
@@ -82,7 +82,7 @@ def _numbers_part(pair: adapter.Pair, runs: _Runs, d: programs.ProgramDiff,
                  and not substitutes.in_place(known.substitute)  # applied in place: Linen's numbers
                  and 'forward' in known.value_passes for p in known.paths)
   modules = tuple(dict.fromkeys(left_out + proven))
-  return d if not modules else runner.program_diff_of(runs.compiled('linen'), runs.compiled('nnx'), modules)
+  return d if not modules else compiling.program_diff_of(runs.compiled('linen'), runs.compiled('nnx'), modules)
 
 
 # flax's stock layers whose Linen and NNX versions lower otherwise (the same numbers): the
@@ -158,7 +158,7 @@ def _suggested_declaration(pair: adapter.Pair, runs: _Runs, d: programs.ProgramD
 
   def identical_without(classes) -> bool:
     modules = tuple(p for c in classes for p in by_class[c])
-    return bool(modules) and runner.program_diff_of(linen, nnx_, base + modules).identical
+    return bool(modules) and compiling.program_diff_of(linen, nnx_, base + modules).identical
 
   kept = sorted(by_class)
   if not identical_without(kept):

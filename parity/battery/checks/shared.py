@@ -21,7 +21,7 @@ from parity.pairs import adapter
 from parity.pairs import dropout as pair_dropout
 from parity.pairs import substitutes
 from parity.procs import distributed
-from parity.run import runner
+from parity.run import compiling
 
 
 class EarlierFailure(AssertionError):
@@ -265,7 +265,7 @@ class _Runs:
       return [f"{named} draws its dropout mask from an RNG stream the NNX model keeps ({where}), Linen's"
               " from make_rng('dropout'): their masks cannot be equal. Give the NNX side Linen's keys,"
               " with no change to either model: StockNnx(..., dropout_keys='linen') seeds the streams"
-              " the model keeps with the key Linen's apply receives (docs/plugin.md, \"Stock dropout\")"]
+              " the model keeps with the key Linen's apply receives (docs/reference-dropout.md, \"Stock dropout\")"]
     loops = self.rnn_loops(nnx_module)
     if loops:
       return [rnn_loop_line(named, where, *loops[-1])]
@@ -347,7 +347,7 @@ class _Runs:
               " Linen's draws make_rng('dropout') in the attention's scope, NNX's the Rngs given at the"
               " call (or a stream it keeps): their masks cannot be equal. Pass the Rngs at the call and"
               " give the NNX side Linen's keys: StockNnx(..., dropout_keys='linen')"
-              ' (docs/plugin.md, "Stock dropout")']
+              ' (docs/reference-dropout.md, "Stock dropout")']
     draws = getattr(self.side('nnx'), 'linen_draws', None)
     if draws is not None and scheme == 'linen':  # a rate on one side only, before any formula
       linen_draws = any(p == module or p.startswith(module + '/') for p in dict(draws))
@@ -388,7 +388,7 @@ class _Runs:
               " and call count folded into the key given to apply), stock NNX draws from the nnx.Rngs"
               " passed at the call (a count folded into the stream's key): their masks cannot be"
               " equal. Give the NNX side Linen's keys, with no change to either model:"
-              " StockNnx(..., dropout_keys='linen') (docs/plugin.md, \"Stock dropout\")"]
+              " StockNnx(..., dropout_keys='linen') (docs/reference-dropout.md, \"Stock dropout\")"]
     return [f"{module} is a dropout and the NNX side already draws Linen's make_rng keys for an"
             " nnx.Rngs passed at the call (dropout_keys='linen'): this call draws otherwise (a key"
             " array passed at the call that is not Linen's, or a key derived by the model itself);"
@@ -444,7 +444,7 @@ class _Runs:
 
   @_raises_once
   @functools.cache
-  def compiled(self, side_name: str) -> runner.CompiledStep:
+  def compiled(self, side_name: str) -> compiling.CompiledStep:
     side = self.side(side_name)
     recorded = getattr(side, 'recorded_step', None)  # a recorded side (parity/records/): its step as recorded
     if recorded is not None:
@@ -454,7 +454,7 @@ class _Runs:
       state = adapter.abstract_state(side)
     else:
       state = side.from_checkpoint(start)
-    return runner.compile_step(side, state, self.batch(0), self.dropout_base())
+    return compiling.compile_step(side, state, self.batch(0), self.dropout_base())
 
 
 def _stock_value_and_grads(side: adapter.Side) -> bool:
@@ -536,8 +536,8 @@ def _uncovered_lines(pair: adapter.Pair, pass_name: str) -> str:
             ' in the substitution part alone')
     if any(p.rsplit('/', 1)[-1].startswith(('MultiHeadDotProductAttention', 'SelfAttention')) for p in known.paths):
       line += ('. For flax\'s stock attention, declare substitute=parity.linen_attention instead (no bound):'
-               ' the kit then gives the NNX model Linen\'s formula in every part (docs/plugin.md, "Stock'
-               ' attention")')
+               ' the kit then gives the NNX model Linen\'s formula in every part (docs/howto-differences.md,'
+               ' "Stock attention")')
     out.append(line + ')')
   return ''.join(out)
 

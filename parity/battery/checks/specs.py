@@ -128,7 +128,7 @@ def check_param_specs(pair: adapter.Pair, linen: adapter.Side, nnx_side: adapter
     shown = [f'logical names ({", ".join(names)}), but no rules were given to read them' if names else kind
              for kind, names in zip(kinds, unread)]
     advice = ('; give the pair the logical axis rules the annotations are written against:'
-              ' parity.Pair(..., rules=RULES) (the stock sides take rules= too; docs/plugin.md,'
+              ' parity.Pair(..., rules=RULES) (the stock sides take rules= too; docs/howto-mesh.md,'
               ' "Meshes and logical axis rules")') if any(unread) else ''
     raise AssertionError(str(TreeMismatchError(f'{pair.name} parameters specs differ between Linen and NNX'
                                                f' (Linen annotates with {shown[0]}, NNX with {shown[1]}{advice})',

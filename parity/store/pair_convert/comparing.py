@@ -10,8 +10,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from parity.store import convert
-from parity.store.convert import ConvertError
+from parity.store.pair_convert import streaming
+from parity.store.pair_convert.atomic import ConvertError
 from parity.store.pair_convert.layouts import Layout, Leaf, SHARDING, pair_layouts
 from parity.store.pair_convert.reading import Item, Stored, _integer_scalar, _store_spec, _unreadable, identify, locate
 from parity.store.pair_convert.restore import pair_sides
@@ -56,7 +56,7 @@ class CheckpointDiff:
 
 # A diff reads two arrays a box pair at a time: each box at most this many bytes (a stored chunk,
 # split where larger), so its memory is about one chunk pair, never two whole arrays.
-DIFF_BOX_BYTES = convert.BOX_BYTES
+DIFF_BOX_BYTES = streaming.BOX_BYTES
 
 
 def _chunk_bytes(stored: Stored) -> int:
@@ -68,11 +68,11 @@ def _diff_boxes(shape: Sequence[int], chunk: Sequence[int], itemsize: int) -> It
   most DIFF_BOX_BYTES (whole trailing axes, leading ones split) where larger."""
   chunk = tuple(max(1, int(c)) for c in chunk)
   if math.prod(chunk) * itemsize <= DIFF_BOX_BYTES:
-    yield from convert._boxes(shape, chunk)
+    yield from streaming._boxes(shape, chunk)
     return
-  for outer in convert._boxes(shape, chunk):
+  for outer in streaming._boxes(shape, chunk):
     extent = [s.stop - s.start for s in outer]
-    for inner in convert._boxes(extent, convert.box_shape(extent, itemsize, DIFF_BOX_BYTES)):
+    for inner in streaming._boxes(extent, streaming.box_shape(extent, itemsize, DIFF_BOX_BYTES)):
       yield tuple(slice(o.start + i.start, o.start + i.stop) for o, i in zip(outer, inner))
 
 
@@ -111,7 +111,7 @@ def _compare_arrays(items: Sequence[Item], sa: Stored, sb: Stored, cast: bool) -
 
   def cache(stored):  # a chunk read in parts is decoded once, where it is small enough to keep
     split = tuple(stored.chunk) != tuple(grid) or _chunk_bytes(stored) > DIFF_BOX_BYTES
-    return _chunk_bytes(stored) if split and _chunk_bytes(stored) <= convert.ALIGNED_CHUNK_BYTES else 0
+    return _chunk_bytes(stored) if split and _chunk_bytes(stored) <= streaming.ALIGNED_CHUNK_BYTES else 0
 
   stores = [_open_array(item, one, cache(one)) for item, one in zip(items, (sa, sb))]
   tally = bitwise.BitsTally(sa.shape, np.int64 if cast else sa.dtype)
@@ -128,7 +128,7 @@ def _shardings(item: Item) -> dict[str, Any]:
   path = os.path.join(item.item_dir, SHARDING)
   if not os.path.exists(path):
     return {}
-  raw = convert._read_json(path, 'Orbax sharding metadata')
+  raw = streaming._read_json(path, 'Orbax sharding metadata')
   out = {}
   for key, value in raw.items():
     try:
@@ -191,7 +191,7 @@ def compare_checkpoints(
       differ(key, 'missing', f'only in {"A" if held[0] else "B"}' if any(held) else 'in neither')
       continue
     compared += 1
-    (leaf_a, sa), (leaf_b, sb) = left, right
+    (_, sa), (_, sb) = left, right
     if sa.shape != sb.shape:
       differ(key, 'shape', f'{list(sa.shape)} vs {list(sb.shape)}')
       continue
@@ -209,7 +209,7 @@ def compare_checkpoints(
   sh = [_shardings(it) for it in items]
   if sh[0] and sh[1]:
     for key in sorted(set(ka) & set(kb)):
-      (leaf_a, sa), (leaf_b, sb) = ka[key], kb[key]
+      (_, sa), (_, sb) = ka[key], kb[key]
       if sa is None or sb is None:
         continue
       ea, eb = sh[0].get(sa.name), sh[1].get(sb.name)

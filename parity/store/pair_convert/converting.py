@@ -5,15 +5,16 @@ import dataclasses
 import os
 import shutil
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from parity.core.errors import TreeMismatchError
-from parity.store import convert
-from parity.store.convert import ConvertError
-from parity.store.pair_convert.layouts import OWN_FORMATS, ROLES, SIDE_OF_FORMAT, pair_layouts
+from parity.store.pair_convert import atomic
+from parity.store.pair_convert import streaming
+from parity.store.pair_convert.atomic import ConvertError
+from parity.store.pair_convert.layouts import OWN_FORMATS, ROLES, SIDE_OF_FORMAT, axis_moves, pair_layouts
 from parity.store.pair_convert.reading import _problems, identify, locate
 from parity.store.pair_convert.restore import pair_sides, verify_conversion
-from parity.store.pair_convert.writing import _check_dst, _plan, _write_checkpoint, nnx_only_values
+from parity.store.pair_convert.writing import _plan, _write_checkpoint, nnx_only_values
 
 
 @dataclasses.dataclass
@@ -38,7 +39,8 @@ class ConvertResult:
 def convert_checkpoint(
     pair: Any, src: str | os.PathLike, dst: str | os.PathLike, to: str, *, step: int | None = None,
     item: str | None = None, target_format: str | None = None, verify: bool = False, mesh: Any = None,
-    sides: Sequence[Any] | None = None,
+    sides: Sequence[Any] | None = None, overwrite: bool = False,
+    progress: Callable[[streaming.Progress], None] | None = None,
 ) -> ConvertResult:
   """Converts SRC, written by one side's own save code, into DST, which the other side's own restore
   code reads, through the pair's correspondences.
@@ -47,8 +49,17 @@ def convert_checkpoint(
   `nnx` for `nnx.state((model, optimizer))`). `step`, `item`: of a CheckpointManager SRC (default: its
   latest step; the item that is one side's state). `verify`: restore both with the sides' own
   restore code and take one train step on each (on `mesh`; None: one device), and leave DST only
-  when every leaf is bit for bit. Raises ConvertError or TreeMismatchError on bad input, with
-  nothing written.
+  when every leaf is bit for bit. `overwrite`: a non-empty DST is replaced (renamed aside, the
+  conversion renamed into its place, then the old one removed; SIGTERM and Ctrl-C wait while the two
+  renames run). `progress`: called with a streaming.Progress as arrays and boxes are written.
+
+  All or nothing: the output is written into a temporary directory beside DST and renamed into place
+  once complete (and verified). Raises ConvertError or TreeMismatchError on bad input and
+  ConvertError when the output cannot be written, with nothing written to DST (should the old DST of
+  `overwrite` then fail to go back, the message says where it is); atomic.Interrupted on SIGTERM or
+  Ctrl-C (saying whether DST already holds the conversion). A conversion killed outright (SIGKILL)
+  leaves its temporary directory, which the next conversion to DST removes (putting an old DST back
+  if the kill came between the two renames).
   """
   start = time.perf_counter()
   src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
@@ -76,7 +87,8 @@ def convert_checkpoint(
       raise ConvertError(f'target format {target_format!r}: pair {pair.name!r} declares no saves[{to!r}]'
                          ' (the function building the tree the side\'s own save code writes)')
     target_format = to if target_format == 'linen-unboxed' else target_format  # no boxes: one tree
-  _check_dst(src, dst)
+  atomic.restore_replaced(dst)
+  atomic.check_dst(src, dst, overwrite)
   source_item = locate(src, 'SRC', step, item, layouts)
   other = [f for f in layouts if SIDE_OF_FORMAT[f] != to]
   try:
@@ -89,21 +101,26 @@ def convert_checkpoint(
     raise
   target = layouts[target_format]
   values = nnx_only_values(sides[1], target) if to == 'nnx' else {}
-  jobs, dropped = _plan(source, source_item, target, values)
-  convert.remove_stale_partials(dst)
-  tmp = convert._partial_prefix(dst) + str(os.getpid())
+  # Where a side stores a leaf with its axes moved against the pair's layout (the reference decoder's
+  # NNX side stacking layers on axis 0 in 10_scan_axis0), the job transposes it box by box.
+  moves = {role: axis_moves(side) for role, side in zip(ROLES, sides) if not hasattr(side, 'recorded_layouts')}
+  jobs, dropped = _plan(source, source_item, target, values, moves)
   custom = {'source': src, 'step': source_item.step, 'to': to, 'from_format': source.format,
             'format': target_format, 'pair': pair.name}
   result = ConvertResult(dst, to, source.format, target_format, source_item.step, len(jobs),
                          sum(j.nbytes for j in jobs), 0.0, dropped,
                          [j.target.disk for j in jobs if j.source is None])
-  signals = convert._Signals()
+  if verify:
+    _check_verify_fits(result.bytes, mesh)
+  state = streaming.Progress(len(jobs), result.bytes)
+  tmp = atomic.make_partial(dst)
+  signals = atomic._Signals()
   stage = 'writing the converted arrays'
   try:
     with signals:
-      _write_checkpoint(source_item, target, jobs, tmp, dst, custom)
+      _write_checkpoint(source_item, target, jobs, tmp, dst, custom, state, progress)
       stage = 'syncing the conversion to disk'
-      convert._fsync_tree(tmp)
+      atomic._fsync_tree(tmp)
       if verify:
         stage = 'verifying the conversion'
         written = locate(tmp, 'DST', source_item.step, source_item.item)
@@ -115,20 +132,47 @@ def convert_checkpoint(
           result.seconds = time.perf_counter() - start
           return result
       stage = 'moving the conversion into DST'
-      with convert._HeldSignals(signals):
-        if os.path.lexists(dst):
-          raise ConvertError(f'DST {dst} appeared while converting; {convert.NOTHING_WRITTEN}')
-        os.rename(tmp, dst)
-        signals.moved = True
+      atomic.move_into_place(tmp, dst, signals, overwrite)
   except BaseException as e:
-    if signals.moved:
+    raised = atomic.cleanup_after(e, signals, tmp, dst, stage)
+    if raised is e:
       raise
-    shutil.rmtree(tmp, ignore_errors=True)
-    if isinstance(e, (OSError, ValueError)) and not isinstance(e, (ConvertError, TreeMismatchError)):
-      raise ConvertError(f'{stage} failed: {convert._write_failure(e)}; {convert.NOTHING_WRITTEN}') from None
-    raise
+    raise raised from None
   result.seconds = time.perf_counter() - start
   return result
+
+
+def _memory_free(mesh: Any) -> tuple[int, str] | None:
+  """(bytes the verification's devices have, what they are); None where it cannot be told."""
+  import jax
+
+  devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+  if all(d.platform == 'cpu' for d in devices):
+    try:
+      return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE'), 'host memory available'
+    except (ValueError, OSError, AttributeError):
+      return None
+  total = 0
+  for device in devices:
+    stats = device.memory_stats() or {}
+    if 'bytes_limit' not in stats:
+      return None
+    total += stats['bytes_limit'] - stats.get('bytes_in_use', 0)
+  return total, f'free on {len(devices)} {devices[0].platform} device(s)'
+
+
+def _check_verify_fits(state_bytes: int, mesh: Any) -> None:
+  """Refuses `verify` plainly, before anything is written, where the two restored states alone
+  (SRC's and DST's, before a train step's temporaries) exceed the devices' memory."""
+  free = _memory_free(mesh)
+  if free is None or 2 * state_bytes <= free[0]:
+    return
+  raise ConvertError(
+      f'--verify restores both states and trains each one step: at least {2 * state_bytes / 1e9:.2f} GB'
+      f' (twice the {state_bytes / 1e9:.2f} GB state), more than the {free[0] / 1e9:.2f} GB {free[1]}.'
+      ' Convert without --verify (the conversion streams, box by box), then compare SRC with DST by'
+      ' parity diff-checkpoints (streaming too), or verify on a machine where the model fits'
+      f' (--mesh spreads it over more devices); {atomic.NOTHING_WRITTEN}')
 
 
 def _nnx_state(state: Any) -> Any:

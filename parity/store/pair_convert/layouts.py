@@ -6,7 +6,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from parity.store.convert import ConvertError
+from parity.store.pair_convert.atomic import ConvertError
 
 
 METADATA = '_METADATA'
@@ -187,3 +187,58 @@ def pair_layouts(sides: Sequence[Any], saves: Mapping[str, Any] | None = None) -
       continue  # no boxes: the same tree
     out[fmt] = layout
   return out
+
+
+def axis_moves(side: Any) -> dict[str, tuple[int, ...]]:
+  """`{native path: perm}` of the leaves a side stores with their axes in another order than the pair's
+  checkpoint layout (checkpoint = native.transpose(perm)), read off its `to_checkpoint` traced once,
+  abstractly: an output that is a transpose of a state leaf (through casts and copies) is moved. Empty
+  where the side has no such method or it cannot be traced (a leaf of another shape is then refused)."""
+  import jax
+
+  from parity.core import paths
+
+  template = getattr(side, 'template', None)
+  if template is None or not hasattr(side, 'to_checkpoint'):
+    return {}
+  leaves, treedef = jax.tree_util.tree_flatten(template)
+  names = [name for name, _ in paths.items(template, paths._is_variable)]
+  if len(names) != len(leaves):
+    return {}
+  traced = [i for i, leaf in enumerate(leaves) if getattr(leaf, 'ndim', 0) > 0]
+
+  def to_checkpoint(*arrays):  # scalars (the step) concrete: a side may read them as Python ints
+    full = [np.zeros(leaf.shape, leaf.dtype) if getattr(leaf, 'ndim', 0) == 0 else None for leaf in leaves]
+    for i, x in zip(traced, arrays):
+      full[i] = x
+    return side.to_checkpoint(treedef.unflatten(full))
+
+  try:
+    closed = jax.make_jaxpr(to_checkpoint)(*[leaves[i] for i in traced])
+  except Exception:  # the side's own code: any error means no moves are read
+    return {}
+  jaxpr = closed.jaxpr
+  invars = {v: names[i] for v, i in zip(jaxpr.invars, traced)}
+  made_by = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+  moves = {}
+  from parity.core import compat
+
+  for var in jaxpr.outvars:
+    if compat.is_jaxpr_literal(var):
+      continue
+    perm = None
+    while var in made_by:
+      eqn = made_by[var]
+      if eqn.primitive.name == 'transpose':
+        step = tuple(eqn.params['permutation'])
+        perm = step if perm is None else tuple(step[i] for i in perm)
+      elif eqn.primitive.name not in ('convert_element_type', 'copy', 'copy_p') or len(eqn.invars) != 1:
+        perm = None
+        break
+      var = eqn.invars[0]
+      if compat.is_jaxpr_literal(var):
+        perm = None
+        break
+    if perm is not None and var in invars and perm != tuple(range(len(perm))):
+      moves[invars[var]] = perm
+  return moves

@@ -10,8 +10,9 @@ import numpy as np
 
 from parity.core.errors import Problem
 from parity.core.errors import TreeMismatchError
-from parity.store import convert
-from parity.store.convert import ConvertError
+from parity.store.pair_convert import atomic
+from parity.store.pair_convert import streaming
+from parity.store.pair_convert.atomic import ConvertError
 from parity.store.pair_convert.layouts import ARRAY_TYPES, CHECKPOINT_METADATA, Layout, METADATA, ORBAX_TMP
 
 
@@ -62,13 +63,13 @@ class Item:
 def _unreadable(disk: str, item_dir: str, error: BaseException) -> str:
   """One line naming the leaf and the checkpoint it cannot be read from (tensorstore's spec left out)."""
   return (f'array {disk} in {item_dir} cannot be read (file missing, truncated or corrupted):'
-          f' {convert._write_failure(error)}')
+          f' {atomic._write_failure(error)}')
 
 
 def _store_spec(item_dir: str, name: str, zarr3: bool, ocdbt: bool) -> dict[str, Any]:
   """The tensorstore spec of one array of an Orbax item, as Orbax lays it out."""
   if ocdbt:
-    kvstore = {**convert._ocdbt_spec(item_dir, write=False), 'path': name + '/'}
+    kvstore = {**streaming._ocdbt_spec(item_dir, write=False), 'path': name + '/'}
   else:
     kvstore = {'driver': 'file', 'path': os.path.join(os.path.abspath(item_dir), name) + '/'}
   return {'driver': 'zarr3' if zarr3 else 'zarr', 'kvstore': kvstore}
@@ -88,7 +89,7 @@ def read_item(item_dir: str, what: str) -> tuple[dict[str, Any], dict[str, Store
   if not os.path.exists(os.path.join(item_dir, METADATA)):
     raise ConvertError(f'{what} {item_dir} is not an Orbax PyTree checkpoint: {METADATA} is missing'
                        ' (a half-written save, or another kind of item)')
-  metadata = convert._read_json(os.path.join(item_dir, METADATA), 'Orbax tree metadata')
+  metadata = streaming._read_json(os.path.join(item_dir, METADATA), 'Orbax tree metadata')
   tree = metadata.get('tree_metadata') if isinstance(metadata, dict) else None
   if not isinstance(tree, dict):
     raise ConvertError(f'{item_dir}/{METADATA} is not Orbax tree metadata (no tree_metadata)')
@@ -183,6 +184,11 @@ def locate(path: str | os.PathLike, what: str, step: int | None = None, item: st
   read = {name: read_item(os.path.join(step_dir, name), what) for name in chosen}
   if len(read) > 1 and layouts is not None:  # the item that is one side's state of the pair
     matching = [name for name, (_, arrays) in read.items() if any(not _problems(l, arrays) for l in layouts.values())]
+    if not matching:  # none is the pair's: the one nearest a layout, so its every difference is named
+      share = {name: max((len(set(l.by_disk()) & set(arrays)) / max(len(l.leaves), 1) for l in layouts.values()),
+                         default=0) for name, (_, arrays) in read.items()}
+      best = max(share.values(), default=0)
+      matching = [name for name, value in share.items() if value == best] if best > 0 else []
     if len(matching) == 1:
       read = {matching[0]: read[matching[0]]}
   if len(read) != 1:

@@ -7,8 +7,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from parity.store import convert
-from parity.store.convert import ConvertError
+from parity.store.pair_convert import atomic
+from parity.store.pair_convert.atomic import ConvertError
 from parity.store.pair_convert.layouts import Layout, OWN_FORMATS, ROLES
 from parity.store.pair_convert.reading import Item, _integer_scalar
 
@@ -82,22 +82,53 @@ def restore_native(item: Item, layout: Layout, side: Any) -> Any:
 
   from parity.core import paths
 
-  target = abstract_target(side, layout)
-  if item.kind == 'checkpointer':
-    restored = ocp.StandardCheckpointer().restore(item.item_dir, target)
-  else:
+  def restore(target):
+    if item.kind == 'checkpointer':
+      return ocp.StandardCheckpointer().restore(item.item_dir, target)
     with _orbax_warnings_quiet():  # read-only by design: Orbax's warnings that it is say nothing
       manager = ocp.CheckpointManager(item.path, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
       try:
-        restored = manager.restore(item.step, args=ocp.args.Composite(
+        return manager.restore(item.step, args=ocp.args.Composite(
             **{item.item: ocp.args.StandardRestore(target)}))[item.item]
       finally:
         manager.close()
-  flat = paths.flatten(restored)
+
+  try:
+    flat = paths.flatten(restore(abstract_target(side, layout)))
+  except ValueError as e:
+    if 'tree structures do not match' not in str(e):
+      raise
+    # The same leaves under other containers (the kit's checkpoints nest the layout in dicts where the
+    # state holds tuples, parity/store/checkpoints.py): restored by the tree as saved, then matched by path.
+    flat = _by_disk(layout, paths.flatten(restore(_saved_target(side, layout, item))))
   if layout.format in OWN_FORMATS:
     flat = _own_to_native(layout, side, flat)
   state = paths.fill(f'{item.describe()} -> {layout.role} state', side.template, flat)
   return _uncommitted(state) if side.mesh is None else state
+
+
+def _saved_target(side: Any, layout: Layout, item: Item) -> dict[str, Any]:
+  """The abstract tree as saved (nested dicts by the on-disk keys), each array in its leaf's sharding."""
+  import jax
+
+  shardings = _native_shardings(side)
+  by_disk = layout.by_disk()
+  tree: dict[str, Any] = {}
+  for disk, stored in item.arrays.items():
+    leaf = by_disk.get(disk)
+    node = tree
+    *parents, last = disk.split('/')
+    for key in parents:
+      node = node.setdefault(key, {})
+    sharding = shardings.get(leaf.native) if leaf is not None else None
+    node[last] = jax.ShapeDtypeStruct(stored.shape, stored.dtype, sharding=sharding)
+  return tree
+
+
+def _by_disk(layout: Layout, flat: Mapping[str, Any]) -> dict[str, Any]:
+  """Restored arrays by the state paths of the layout's leaves they are on disk."""
+  by_disk = layout.by_disk()
+  return {by_disk[disk].native if disk in by_disk else disk: value for disk, value in flat.items()}
 
 
 @contextlib.contextmanager
@@ -182,7 +213,7 @@ def verify_conversion(pair: Any, src_item: Item, src_layout: Layout, dst_item: I
     dst_state = restore_native(dst_item, dst_layout, dst_side)
   except Exception as e:  # Orbax and jax raise many kinds: the conversion is not what that code reads
     return [f'the conversion cannot be restored by the {dst_layout.role} side\'s own restore code'
-            f' ({dst_layout.format}): {type(e).__name__}: {convert._first_line(e)}']
+            f' ({dst_layout.format}): {type(e).__name__}: {atomic._first_line(e)}']
   before = bitwise.compare_trees(src_side.to_checkpoint(src_state), dst_side.to_checkpoint(dst_state),
                                  labels=('SRC', 'DST'))
   lines += [f'restored {d.path} [{_names(d.path, named)}]: {d.kind}: {d.detail}' for d in before]
