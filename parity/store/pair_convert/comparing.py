@@ -10,7 +10,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from parity.store.pair_convert import streaming
+import parity.store.pair_convert.streaming as streaming
 from parity.store.pair_convert.atomic import ConvertError
 from parity.store.pair_convert.layouts import Layout, Leaf, SHARDING, pair_layouts
 from parity.store.pair_convert.reading import Item, Stored, _integer_scalar, _store_spec, _unreadable, identify, locate

@@ -8,8 +8,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from parity.core.errors import TreeMismatchError
-from parity.store.pair_convert import atomic
-from parity.store.pair_convert import streaming
+import parity.store.pair_convert.atomic as atomic
+import parity.store.pair_convert.streaming as streaming
 from parity.store.pair_convert.atomic import ConvertError
 from parity.store.pair_convert.layouts import OWN_FORMATS, ROLES, SIDE_OF_FORMAT, axis_moves, pair_layouts
 from parity.store.pair_convert.reading import _problems, identify, locate

@@ -10,8 +10,8 @@ import numpy as np
 
 from parity.core.errors import Problem
 from parity.core.errors import TreeMismatchError
-from parity.store.pair_convert import atomic
-from parity.store.pair_convert import streaming
+import parity.store.pair_convert.atomic as atomic
+import parity.store.pair_convert.streaming as streaming
 from parity.store.pair_convert.atomic import ConvertError
 from parity.store.pair_convert.layouts import ARRAY_TYPES, CHECKPOINT_METADATA, Layout, METADATA, ORBAX_TMP
 

@@ -7,7 +7,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from parity.store.pair_convert import atomic
+import parity.store.pair_convert.atomic as atomic
 from parity.store.pair_convert.atomic import ConvertError
 from parity.store.pair_convert.layouts import Layout, OWN_FORMATS, ROLES
 from parity.store.pair_convert.reading import Item, _integer_scalar

@@ -13,7 +13,7 @@ import numpy as np
 
 from parity.core.errors import Problem
 from parity.core.errors import TreeMismatchError
-from parity.store.pair_convert import streaming
+import parity.store.pair_convert.streaming as streaming
 from parity.store.pair_convert.atomic import ConvertError
 from parity.store.pair_convert.layouts import CHECKPOINT_METADATA, COMMIT, Layout, Leaf, METADATA, SHARDING
 from parity.store.pair_convert.reading import Item, Stored, _integer_scalar, _store_spec, _unreadable
